@@ -1,0 +1,35 @@
+"""The device mesh: one named data axis, and the shardings of replicated and batch-sharded values."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+DATA_AXIS = "data"
+"""The one mesh axis jdp reduces over; every collective names it."""
+
+
+def make_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A 1-D mesh of `devices` (default: all devices) along `DATA_AXIS`.
+
+    Built with `Mesh(...)` rather than `jax.make_mesh`, whose axes are Explicit: jdp's values are
+    either fully replicated or split along the batch, which Auto axes express directly.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    if not devices:
+        raise ValueError("devices is empty; pass None for all devices or a non-empty list.")
+    if len({d.id for d in devices}) != len(devices):
+        raise ValueError(f"devices {[d.id for d in devices]} contains duplicates; each device may appear once.")
+    return Mesh(np.array(devices), (DATA_AXIS,))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    """Every device holds the whole value (params, optimizer state)."""
+    return NamedSharding(mesh, P())
+
+
+def batch_sharded(mesh: Mesh) -> NamedSharding:
+    """The leading axis is split evenly over `DATA_AXIS` (a global batch, or pmap's stacked copies)."""
+    return NamedSharding(mesh, P(DATA_AXIS))

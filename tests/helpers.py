@@ -1,0 +1,65 @@
+"""Shared test fixtures: a small MLP, fixed data, and an independent one-device reference."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+SIZES = (12, 16, 16, 5)
+
+
+def mlp_params(seed=0, sizes=SIZES):
+    rng = np.random.default_rng(seed)
+    return {f"l{i}": {"w": rng.normal(0, 1 / np.sqrt(a), (a, b)).astype(np.float32),
+                      "b": np.zeros(b, np.float32)}
+            for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:]))}
+
+
+def mlp_logits(params, x):
+    h = x
+    for i in range(len(params)):
+        h = h @ params[f"l{i}"]["w"] + params[f"l{i}"]["b"]
+        if i < len(params) - 1:
+            h = jnp.tanh(h)
+    return h
+
+
+def mlp_loss(params, batch):
+    """Mean softmax cross-entropy over the batch."""
+    logits = mlp_logits(params, batch["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+
+def mlp_loss_acc(params, batch):
+    logits = mlp_logits(params, batch["x"])
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+    return loss, {"accuracy": (logits.argmax(-1) == batch["y"]).mean()}
+
+
+def batches(num, global_batch, seed=1, sizes=SIZES):
+    rng = np.random.default_rng(seed)
+    return [{"x": rng.normal(size=(global_batch, sizes[0])).astype(np.float32),
+             "y": rng.integers(0, sizes[-1], global_batch).astype(np.int32)} for _ in range(num)]
+
+
+def reference_run(loss_fn, optimizer, params, data):
+    """Plain single-device JAX on the whole global batch: the ground truth every DP path must match."""
+    device = jax.devices()[0]
+    params = jax.device_put(params, device)
+    opt_state = optimizer.init(params)
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    losses = []
+    for batch in data:
+        params, opt_state, loss = step(params, opt_state, jax.device_put(batch, device))
+        losses.append(float(loss))
+    return jax.device_get(params), losses
+
+
+def max_abs_diff(a, b):
+    return max(float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
+               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))

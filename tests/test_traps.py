@@ -1,0 +1,58 @@
+"""Regression tests for the two silent-wrong-answer traps of today's JAX (DESIGN.md)."""
+import jax
+import numpy as np
+import optax
+import pytest
+
+import jdp
+from helpers import batches, max_abs_diff, mlp_loss, mlp_params, reference_run
+
+N = 4
+DATA = batches(1, 16)
+
+
+def sgd_delta(params_after):
+    return jax.tree.map(lambda a, b: np.asarray(a) - np.asarray(b), params_after, mlp_params())
+
+
+def test_shard_map_check_vma_grad_is_local_then_averaged():
+    """With check_vma=True, grad w.r.t. replicated params is already summed over the axis.
+
+    jdp casts params to per-device values first; SGD (which, unlike Adam, shows the scale) must
+    match the one-device step exactly.
+    """
+    ref, _ = reference_run(mlp_loss, optax.sgd(0.1), mlp_params(), DATA)
+    step = jdp.make_train_step(mlp_loss, optax.sgd(0.1), backend="shard_map", devices=jax.devices()[:N])
+    state, _ = step(step.init(mlp_params()), DATA[0])
+    assert max_abs_diff(jdp.get_params(state), ref) <= 1e-6
+
+
+def test_shard_map_without_pcast_would_step_n_times_too_far(monkeypatch):
+    """The guard is load-bearing: remove the cast and the SGD step becomes N× the true step."""
+    ref, _ = reference_run(mlp_loss, optax.sgd(0.1), mlp_params(), DATA)
+    monkeypatch.setattr(jax.lax, "pcast", lambda x, *a, **k: x)
+    step = jdp.make_train_step(mlp_loss, optax.sgd(0.1), backend="shard_map", devices=jax.devices()[:N])
+    state, _ = step(step.init(mlp_params()), DATA[0])
+    got, want = sgd_delta(jdp.get_params(state)), sgd_delta(ref)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(g, N * w, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_pmap_with_empty_optimizer_state(n):
+    """optax.sgd's state has no leaves; `in_axes=None` on it would shift the batch leaves' axes.
+
+    jdp maps every argument on axis 0. A batch of several leaves with different trailing shapes
+    must still reach the loss intact.
+    """
+    assert jax.tree.leaves(optax.sgd(0.1).init(mlp_params())) == []
+    data = batches(3, 8 * n, seed=7)
+    ref, ref_losses = reference_run(mlp_loss, optax.sgd(0.1), mlp_params(), data)
+    step = jdp.make_train_step(mlp_loss, optax.sgd(0.1), backend="pmap", devices=jax.devices()[:n])
+    state = step.init(mlp_params())
+    losses = []
+    for batch in data:
+        state, m = step(state, batch)
+        losses.append(float(m["loss"]))
+    assert max_abs_diff(jdp.get_params(state), ref) <= 1e-6
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
