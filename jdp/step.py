@@ -65,6 +65,8 @@ class TrainStep:
         self.mesh = make_mesh(devices)
         self.devices = list(self.mesh.devices.flat)
         self.num_devices = len(self.devices)
+        # Wait for each batch's host-to-device copy before launching the step (see shard_batch).
+        self.wait_for_batch = all(d.platform == "cpu" for d in self.devices) and self.num_devices > 1
         self.trace_count = 0  # how often the step was traced (= compiled); tests assert it stays 1
         stacked = backend == "pmap"
         self._init = jax.jit(partial(self._init_state, stacked=stacked),
@@ -150,7 +152,15 @@ class TrainStep:
                              f"use a multiple of {n}.")
         if self.backend == "pmap":
             batch = jax.tree.map(lambda x: np.reshape(x, (n, size // n, *np.shape(x)[1:])), batch)
-        return jax.device_put(batch, batch_sharded(self.mesh))
+        batch = jax.device_put(batch, batch_sharded(self.mesh))
+        if self.wait_for_batch:
+            # On CPU devices, a step launched before its input copy lands can deadlock XLA's
+            # in-process all-reduce: the launch blocks a client thread until the copy is done,
+            # the copy is queued behind it, and the other devices wait in the rendezvous until
+            # XLA aborts after 40 s. Waiting here for the copy (not for the previous step) avoids
+            # it; see benchmarks/cpu_collective_stall.py.
+            batch = jax.block_until_ready(batch)
+        return batch
 
     def _check_state(self, state):
         if not isinstance(state, TrainState):
