@@ -3,6 +3,7 @@
 N devices each take the mean loss over their shard, all-reduce-average the gradients, and take
 exactly the step one device would take on the whole global batch.
 """
+from jdp.optim import OptimizerSpec, exact_sum_spec
 from jdp.mesh import DATA_AXIS, batch_sharded, make_mesh, replicated
 from jdp.reduce import mean_over_devices, reduce_gradients, sum_over_devices
 from jdp.replicas import ReplicaMismatchError, check_replicas, replica_mismatches
@@ -11,7 +12,7 @@ from jdp.step import TrainState, TrainStep, device_key, get_params, get_tree, ma
 __version__ = "0.1.0"
 
 __all__ = [
-    "DATA_AXIS", "ReplicaMismatchError", "TrainState", "TrainStep", "batch_sharded", "check_replicas",
+    "DATA_AXIS", "OptimizerSpec", "exact_sum_spec", "ReplicaMismatchError", "TrainState", "TrainStep", "batch_sharded", "check_replicas",
     "device_key", "get_params", "get_tree", "make_mesh", "make_train_step", "mean_over_devices",
     "reduce_gradients", "replica_mismatches", "replicated", "sum_over_devices",
 ]

@@ -23,9 +23,11 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jdp.mesh import DATA_AXIS, batch_sharded, make_mesh, replicated
+from jdp.optim import OptimizerSpec, exact_sum_spec
 from jdp.reduce import REDUCTIONS, mean_over_devices, reduce_gradients
 
 BACKENDS = ("shard_map", "pmap")
+LR_CORRECTIONS = ("auto", "none", "exact")
 
 
 class TrainState(struct.PyTreeNode):
@@ -50,21 +52,24 @@ def device_key(base_key: jax.Array, step: jax.Array) -> jax.Array:
 class TrainStep:
     """A compiled data-parallel training step. Build it with `make_train_step`."""
 
-    def __init__(self, loss_fn, optimizer, *, backend, reduction, devices, has_aux, needs_rng):
+    def __init__(self, loss_fn, optimizer, *, backend, reduction, lr_correction, devices, has_aux, needs_rng):
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r} is not supported; use one of {BACKENDS}.")
         if reduction not in REDUCTIONS:
             raise ValueError(f"reduction={reduction!r} is not supported; use one of {REDUCTIONS}.")
-        if not isinstance(optimizer, optax.GradientTransformation):
-            raise ValueError(f"optimizer must be an optax.GradientTransformation, got {type(optimizer).__name__}.")
+        if not isinstance(optimizer, (optax.GradientTransformation, OptimizerSpec)):
+            raise ValueError(f"optimizer must be an optax.GradientTransformation or a jdp.OptimizerSpec, "
+                             f"got {type(optimizer).__name__}.")
         if not callable(loss_fn):
             raise ValueError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
-        self.loss_fn, self.optimizer = loss_fn, optimizer
+        self.loss_fn = loss_fn
         self.backend, self.reduction = backend, reduction
         self.has_aux, self.needs_rng = has_aux, needs_rng
         self.mesh = make_mesh(devices)
         self.devices = list(self.mesh.devices.flat)
         self.num_devices = len(self.devices)
+        self.lr_correction = _resolve_lr_correction(reduction, lr_correction, optimizer)
+        self.optimizer = _corrected_optimizer(optimizer, self.lr_correction, self.num_devices)
         # Wait for each batch's host-to-device copy before launching the step (see shard_batch).
         self.wait_for_batch = all(d.platform == "cpu" for d in self.devices) and self.num_devices > 1
         self.trace_count = 0  # how often the step was traced (= compiled); tests assert it stays 1
@@ -112,7 +117,9 @@ class TrainStep:
 
     def _metrics(self, loss, grads, aux):
         """Per-device means averaged over devices: means over all N·b examples (equal shards)."""
-        metrics = {"loss": mean_over_devices(loss), "grad_norm": optax.tree.norm(grads)}
+        # The norm in float32: squaring fp16 gradients overflows long before the gradients do.
+        grad_norm = optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), grads))
+        metrics = {"loss": mean_over_devices(loss), "grad_norm": grad_norm}
         if self.has_aux:
             metrics["aux"] = mean_over_devices(aux)
         return metrics
@@ -188,8 +195,35 @@ class TrainStep:
         return self._step.lower(state, self.shard_batch(batch))
 
 
-def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, *,
-                    backend: str = "shard_map", reduction: str = "mean",
+def _resolve_lr_correction(reduction: str, lr_correction: str | None, optimizer) -> str:
+    if reduction == "mean":
+        if lr_correction not in (None, "none"):
+            raise ValueError(f"lr_correction={lr_correction!r} only applies to reduction='sum'; the mean "
+                             f"reduction already yields the global-batch gradient (use None or 'none').")
+        return "none"
+    lr_correction = "auto" if lr_correction is None else lr_correction
+    if lr_correction not in LR_CORRECTIONS:
+        raise ValueError(f"lr_correction={lr_correction!r} is not supported; use one of {LR_CORRECTIONS}.")
+    if lr_correction == "exact" and not isinstance(optimizer, OptimizerSpec):
+        raise ValueError("lr_correction='exact' needs a jdp.OptimizerSpec (it changes the spec's "
+                         "scale-dependent hyperparameters), not a bare optax transformation.")
+    return lr_correction
+
+
+def _corrected_optimizer(optimizer, lr_correction: str, n: int) -> optax.GradientTransformation:
+    """The transformation that consumes the reduced gradient, with the psum correction applied."""
+    if lr_correction == "exact":
+        return exact_sum_spec(optimizer, n).build()
+    tx = optimizer.build() if isinstance(optimizer, OptimizerSpec) else optimizer
+    if lr_correction == "auto":
+        # Every optax update is linear in the learning rate, so scaling the update by 1/N is
+        # lr/N for any optimizer: exact for SGD and momentum, wrong for Adam (see jdp explain).
+        return optax.chain(tx, optax.scale(1.0 / n))
+    return tx
+
+
+def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation | OptimizerSpec, *,
+                    backend: str = "shard_map", reduction: str = "mean", lr_correction: str | None = None,
                     devices: Sequence[jax.Device] | None = None, has_aux: bool = False,
                     needs_rng: bool = False) -> TrainStep:
     """Build a data-parallel training step.
@@ -198,9 +232,14 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, 
       loss_fn: `loss_fn(params, batch) -> scalar`, the MEAN loss over the examples it is given
         (`loss_fn(params, batch, rng)` if `needs_rng`; `(loss, aux)` if `has_aux`, where aux is a
         pytree of per-example means such as accuracy).
-      optimizer: any `optax.GradientTransformation`.
+      optimizer: any `optax.GradientTransformation`, or a `jdp.OptimizerSpec`.
       backend: "shard_map" (jit over a 1-D mesh) or "pmap".
-      reduction: "mean" (`lax.pmean`: the gradient of the global-batch mean loss) or "sum".
+      reduction: "mean" (`lax.pmean`: the gradient of the global-batch mean loss) or "sum"
+        (`lax.psum`: N times that gradient).
+      lr_correction: only with reduction="sum". "auto" (the default there) scales every update by
+        1/N, i.e. lr/N: exact for SGD/momentum, not for Adam (ε) or clipping. "none" keeps the raw
+        sum. "exact" (needs an OptimizerSpec) changes the spec's scale-dependent hyperparameters
+        instead (`jdp.optim.exact_sum_spec`), which makes sum equal mean for every spec.
       devices: the devices to use, default all of them.
       has_aux: `loss_fn` returns `(loss, aux)`.
       needs_rng: `loss_fn` takes a third argument, a key derived from (seed, step, device index).
@@ -209,8 +248,8 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, 
       A `TrainStep`: `state = step.init(params)`, `state, metrics = step(state, batch)` where the
       batch's leading axis is the GLOBAL batch N·b, split evenly over the N devices.
     """
-    return TrainStep(loss_fn, optimizer, backend=backend, reduction=reduction, devices=devices,
-                     has_aux=has_aux, needs_rng=needs_rng)
+    return TrainStep(loss_fn, optimizer, backend=backend, reduction=reduction, lr_correction=lr_correction,
+                     devices=devices, has_aux=has_aux, needs_rng=needs_rng)
 
 
 def _first_copy(x: jax.Array) -> np.ndarray:
