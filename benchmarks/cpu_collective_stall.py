@@ -9,12 +9,13 @@ counts the aborts, for two subjects:
               shared/tools/cpu_collective_stall.py (host numpy batches, async dispatch);
   jdp         `jdp.make_train_step` on the same model and data.
 
-and for a setting of the XLA CPU thread pools (`--nproc`: a number, or `xla` for XLA's own
-default of one thread per core, which is what jax does without jdp).
+under two thread-pool settings (`--pools`): `xla`, XLA's default of max(cores, N) threads (what
+a process gets without jdp), and `jdp`, what `jdp.cpu` sets (2N + 2 threads); and, for jdp's
+step, with and without its bound on steps in flight (`--bound on|off`).
 
-Usage:
-  python -m benchmarks.cpu_collective_stall --subject jdp --nproc jdp --trials 20
-  python -m benchmarks.cpu_collective_stall --subject reproducer --nproc xla --trials 20
+Usage (the before/after table in the README):
+  python -m benchmarks.cpu_collective_stall --trials 20
+  python -m benchmarks.cpu_collective_stall --subject jdp --pools xla --bound off --devices 4
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ import time
 MODEL = textwrap.dedent('''
     import sys, time
     import numpy as np
-    devices, subject = int(sys.argv[1]), sys.argv[2]
+    devices, pools, bound = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "on"
     sizes, B, STEPS = [784, 1024, 1024, 10], 256, 45
     rng = np.random.default_rng(0)
     params = [(rng.normal(0, 1 / np.sqrt(i), (i, o)).astype(np.float32), np.zeros(o, np.float32))
@@ -40,7 +41,11 @@ MODEL = textwrap.dedent('''
 
 REPRODUCER = MODEL + textwrap.dedent('''
     import jax, jax.numpy as jnp, optax
-    jax.config.update("jax_num_cpu_devices", devices)
+    if pools == "jdp":
+        import jdp.cpu
+        jdp.cpu.use_cpu_devices(devices)
+    else:
+        jax.config.update("jax_num_cpu_devices", devices)
     from jax.sharding import Mesh, PartitionSpec as P
     def loss_fn(ps, x, y):
         h = x
@@ -75,6 +80,8 @@ JDP = MODEL + textwrap.dedent('''
             if k < len(ps) - 1: h = jax.nn.relu(h)
         return optax.softmax_cross_entropy_with_integer_labels(h, batch["y"]).mean()
     step = jdp.make_train_step(loss_fn, optax.adam(1e-3))
+    if not bound:
+        step.max_inflight = None
     state = step.init(params)
     t0 = time.perf_counter()
     for s in range(STEPS):
@@ -84,19 +91,17 @@ JDP = MODEL + textwrap.dedent('''
 ''')
 
 
-def run_trials(subject: str, nproc: str, devices: int, trials: int, timeout: float = 240.0) -> dict:
+def run_trials(subject: str, pools: str, bound: str, devices: int, trials: int, timeout: float = 240.0) -> dict:
     """Run `trials` fresh processes; returns counts of aborts and the median loop time of the rest."""
-    env = {k: v for k, v in os.environ.items() if k not in ("NPROC", "XLA_FLAGS")}
-    if nproc == "xla":
+    env = {k: v for k, v in os.environ.items() if k not in ("NPROC", "PJRT_NPROC", "XLA_FLAGS", "JDP_CPU_THREADS")}
+    if pools == "xla":
         env["JDP_CPU_THREADS"] = "xla"  # jdp leaves XLA's default pools alone
-    elif nproc != "jdp":
-        env["NPROC"] = nproc
     code = {"reproducer": REPRODUCER, "jdp": JDP}[subject]
     aborted, hung, seconds = 0, 0, []
     for t in range(trials):
         start = time.perf_counter()
         try:
-            r = subprocess.run([sys.executable, "-c", code, str(devices), subject], capture_output=True,
+            r = subprocess.run([sys.executable, "-c", code, str(devices), pools, bound], capture_output=True,
                                text=True, timeout=timeout, env=env)
         except subprocess.TimeoutExpired:
             hung += 1
@@ -111,27 +116,32 @@ def run_trials(subject: str, nproc: str, devices: int, trials: int, timeout: flo
             seconds.append(float(r.stdout.split("STEP_SECONDS")[1]))
             print(f"  trial {t + 1}: ok, 45 steps in {seconds[-1]:.2f} s", flush=True)
     seconds.sort()
-    return {"subject": subject, "nproc": nproc, "devices": devices, "trials": trials, "aborted": aborted,
+    return {"subject": subject, "pools": pools, "bound": bound if subject == "jdp" else "-", "devices": devices,
+            "trials": trials, "aborted": aborted,
             "hung": hung, "median_loop_s": seconds[len(seconds) // 2] if seconds else None}
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--subject", choices=("reproducer", "jdp"), action="append")
-    p.add_argument("--nproc", action="append", help="'jdp' (jdp's setting), 'xla' (XLA's default) or a number")
+    p.add_argument("--pools", choices=("xla", "jdp"), action="append")
+    p.add_argument("--bound", choices=("on", "off"), action="append", help="jdp's step only")
     p.add_argument("--devices", type=int, action="append")
     p.add_argument("--trials", type=int, default=20)
     p.add_argument("--json", help="append one JSON line per configuration to this file")
     a = p.parse_args(argv)
-    for subject in a.subject or ["reproducer", "jdp"]:
-        for nproc in a.nproc or ["xla", "jdp"]:
-            for devices in a.devices or [2]:
-                print(f"{subject}, thread pools: {nproc}, {devices} devices, {a.trials} trials", flush=True)
-                res = run_trials(subject, nproc, devices, a.trials)
-                print(f"RESULT {json.dumps(res)}", flush=True)
-                if a.json:
-                    with open(a.json, "a") as f:
-                        f.write(json.dumps(res) + "\n")
+    configs = [(subject, pools, bound, devices)
+               for subject in a.subject or ["reproducer", "jdp"]
+               for pools in a.pools or ["xla", "jdp"]
+               for bound in (a.bound or ["off", "on"] if subject == "jdp" else ["-"])
+               for devices in a.devices or [2]]
+    for subject, pools, bound, devices in configs:
+        print(f"{subject}, pools {pools}, bound {bound}, {devices} devices, {a.trials} trials", flush=True)
+        res = run_trials(subject, pools, bound, devices, a.trials)
+        print(f"RESULT {json.dumps(res)}", flush=True)
+        if a.json:
+            with open(a.json, "a") as f:
+                f.write(json.dumps(res) + "\n")
     return 0
 
 

@@ -3,6 +3,7 @@
 N devices each take the mean loss over their shard, all-reduce-average the gradients, and take
 exactly the step one device would take on the whole global batch.
 """
+from jdp import cpu
 from jdp.optim import OptimizerSpec, exact_sum_spec
 from jdp.mesh import DATA_AXIS, batch_sharded, make_mesh, replicated
 from jdp.reduce import mean_over_devices, reduce_gradients, sum_over_devices
@@ -10,6 +11,9 @@ from jdp.replicas import ReplicaMismatchError, check_replicas, replica_mismatche
 from jdp.step import TrainState, TrainStep, device_key, get_params, get_tree, make_train_step
 
 __version__ = "0.1.0"
+
+# Before jax starts its CPU backend: size the thread pool for the fake devices (see jdp/cpu.py).
+cpu.configure_cpu_threads()
 
 __all__ = [
     "DATA_AXIS", "OptimizerSpec", "exact_sum_spec", "ReplicaMismatchError", "TrainState", "TrainStep", "batch_sharded", "check_replicas",

@@ -1,10 +1,26 @@
-"""Fake CPU devices: N XLA host devices in one process, for tests and for CPU-only machines.
+"""Fake CPU devices, and the thread-pool setting that keeps their all-reduce from deadlocking.
 
-The device count must be fixed before jax starts its backends; after that it cannot change.
+N fake CPU devices are N XLA host devices in one process (tests, CPU-only machines). Their
+collectives are in-process rendezvous, and XLA's CPU client runs every device's launch and
+execution on one shared thread pool of max(cores, N) threads. Once the host has dispatched 32
+steps ahead, each new launch blocks a pool thread waiting for a free slot; with every thread
+blocked (launches, plus executions waiting on the all-reduce), the device whose execution is
+still queued never runs, the others wait in the rendezvous, and XLA aborts after 40 s
+("Expected N threads to join the rendezvous"). That needs ~2N threads to rule out, far more than
+2 cores give. jdp therefore (1) sizes the pool to 2N + 2 threads via `PJRT_NPROC` before jax
+starts its CPU backend, and (2) bounds its own step's run-ahead (`TrainStep.max_inflight`).
+`benchmarks/cpu_collective_stall.py` measures both.
 """
 from __future__ import annotations
 
+import os
+import re
+
 import jax
+
+THREADS_ENV = "JDP_CPU_THREADS"  # "xla": leave XLA's pools alone; a number: use that many threads
+_XLA_POOL_ENV = ("PJRT_NPROC", "NPROC")  # read by XLA's DefaultThreadPoolSize, in this order
+_set_by_jdp = False
 
 
 def backends_started() -> bool:
@@ -14,10 +30,46 @@ def backends_started() -> bool:
     return xla_bridge.backends_are_initialized()
 
 
+def requested_cpu_devices() -> int:
+    """The CPU device count jax will create: `jax_num_cpu_devices`, else XLA_FLAGS, else 1."""
+    n = jax.config.jax_num_cpu_devices
+    if n is not None and n > 0:
+        return n
+    found = re.findall(r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
+    return int(found[-1]) if found else 1
+
+
+def configure_cpu_threads(num_devices: int | None = None) -> str | None:
+    """Size XLA's CPU client pool so N-device collectives cannot starve it; returns the size set.
+
+    Does nothing (returns None) once the backend has started, for a single device, or when the
+    user chose: `JDP_CPU_THREADS=xla`, or `PJRT_NPROC`/`NPROC` already in the environment.
+    """
+    global _set_by_jdp
+    if backends_started():
+        return None
+    choice = os.environ.get(THREADS_ENV, "").strip()
+    if choice == "xla" or (any(v in os.environ for v in _XLA_POOL_ENV) and not _set_by_jdp):
+        return None
+    if choice:
+        if not choice.isdigit() or int(choice) < 1:
+            raise ValueError(f"{THREADS_ENV}={choice!r} must be 'xla' or a positive integer.")
+        threads = int(choice)
+    else:
+        n = num_devices or requested_cpu_devices()
+        if n < 2:
+            return None
+        threads = max(os.cpu_count() or 1, 2 * n + 2)
+    os.environ["PJRT_NPROC"] = str(threads)
+    _set_by_jdp = True
+    return str(threads)
+
+
 def use_cpu_devices(n: int) -> None:
     """Make jax expose `n` CPU devices (call before any jax computation or `jax.devices()`).
 
-    Raises ValueError if `n` < 1, and if jax already started with a different device count.
+    Only the CPU backend is affected: on a machine with accelerators, jax still defaults to them.
+    Raises ValueError if `n` < 1, or if jax already started its CPU backend with another count.
     """
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(f"devices={n!r} must be a positive integer.")
@@ -27,4 +79,5 @@ def use_cpu_devices(n: int) -> None:
             return
         raise ValueError(f"devices={n} cannot be set: jax already started with {have} "
                          f"{jax.default_backend()} device(s); set it before any jax computation.")
-    jax.config.update("jax_num_cpu_devices", n)  # affects the CPU backend only
+    jax.config.update("jax_num_cpu_devices", n)
+    configure_cpu_threads(n)

@@ -10,6 +10,7 @@ The per-device function `_device_step` is the whole algorithm. Two backends run 
 """
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
@@ -70,8 +71,11 @@ class TrainStep:
         self.num_devices = len(self.devices)
         self.lr_correction = _resolve_lr_correction(reduction, lr_correction, optimizer)
         self.optimizer = _corrected_optimizer(optimizer, self.lr_correction, self.num_devices)
-        # Wait for each batch's host-to-device copy before launching the step (see shard_batch).
-        self.wait_for_batch = all(d.platform == "cpu" for d in self.devices) and self.num_devices > 1
+        # Steps allowed in flight before __call__ waits for the oldest (None: unbounded). On CPU
+        # devices XLA admits 32 per device and then blocks a client-pool thread per launch, which
+        # can starve the threads that run the steps and deadlock the all-reduce (jdp/cpu.py).
+        self.max_inflight = 8 if all(d.platform == "cpu" for d in self.devices) else None
+        self._inflight = collections.deque()
         self.trace_count = 0  # how often the step was traced (= compiled); tests assert it stays 1
         stacked = backend == "pmap"
         self._init = jax.jit(partial(self._init_state, stacked=stacked),
@@ -159,15 +163,7 @@ class TrainStep:
                              f"use a multiple of {n}.")
         if self.backend == "pmap":
             batch = jax.tree.map(lambda x: np.reshape(x, (n, size // n, *np.shape(x)[1:])), batch)
-        batch = jax.device_put(batch, batch_sharded(self.mesh))
-        if self.wait_for_batch:
-            # On CPU devices, a step launched before its input copy lands can deadlock XLA's
-            # in-process all-reduce: the launch blocks a client thread until the copy is done,
-            # the copy is queued behind it, and the other devices wait in the rendezvous until
-            # XLA aborts after 40 s. Waiting here for the copy (not for the previous step) avoids
-            # it; see benchmarks/cpu_collective_stall.py.
-            batch = jax.block_until_ready(batch)
-        return batch
+        return jax.device_put(batch, batch_sharded(self.mesh))
 
     def _check_state(self, state):
         if not isinstance(state, TrainState):
@@ -184,7 +180,12 @@ class TrainStep:
         and `aux` (has_aux losses: the per-device means averaged over devices).
         """
         self._check_state(state)
-        state, metrics = self._step(state, self.shard_batch(batch))
+        batch = self.shard_batch(batch)
+        if self.max_inflight is not None and len(self._inflight) >= self.max_inflight:
+            self._inflight.popleft().block_until_ready()  # waits only if the devices are far behind
+        state, metrics = self._step(state, batch)
+        if self.max_inflight is not None:
+            self._inflight.append(metrics["loss"])
         if self.backend == "pmap":
             metrics = jax.tree.map(lambda m: m[0], metrics)
         return state, metrics
