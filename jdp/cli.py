@@ -25,6 +25,16 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _device_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must list device counts of at least 1")
+    return tuple(sorted(set(values)))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="jdp", description="jdp: a small, exact JAX data-parallel trainer. N devices average their "
@@ -42,6 +52,16 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--lr", type=_positive_float, default=3e-3, help="Adam learning rate (default 3e-3)")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--log-every", type=_positive_int, default=50)
+
+    explain = sub.add_parser("explain", help="show, with numbers, why jdp averages gradients instead of summing",
+                             description="Run jdp's step on 8 fake CPU devices and print: the seed examples "
+                             "(mean vs sum), the deviation of every optimizer x clipping x reduction x N from one "
+                             "device, Adam's ε, clipping rates and fp16 overflow.")
+    explain.add_argument("--json", action="store_true", help="print the results as JSON on stdout instead")
+    explain.add_argument("--plot", metavar="FILE.png", help="also save a plot of deviation vs N (needs matplotlib)")
+    explain.add_argument("--backend", choices=("shard_map", "pmap"), default="shard_map")
+    explain.add_argument("--devices", type=_device_list, default=(2, 4, 8), metavar="N,N,...",
+                         help="device counts of the matrix (default 2,4,8)")
     return parser
 
 
@@ -77,10 +97,31 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_explain(args) -> int:
+    import json
+
+    from jdp.cpu import backends_started, use_cpu_devices
+    from jdp.explain import EXPLAIN_DEVICES, explain, plot, render
+
+    if args.plot and not args.plot.lower().endswith(".png"):
+        raise ValueError(f"--plot {args.plot!r} must name a .png file.")
+    if not backends_started():
+        use_cpu_devices(max(EXPLAIN_DEVICES, *args.devices))
+    results = explain(args.devices, backend=args.backend)
+    if args.json:
+        print(json.dumps(results, indent=1))
+    else:
+        render(results)
+    if args.plot:
+        plot(results, args.plot)
+        print(f"saved {args.plot}", file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {"train": cmd_train}[args.command](args)
+        return {"train": cmd_train, "explain": cmd_explain}[args.command](args)
     except ValueError as e:  # bad input: one sentence, exit code 2, no traceback
         print(f"jdp: error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,333 @@
+"""`jdp explain`: why gradients are averaged, shown by running jdp's own step on fake devices.
+
+Every number here comes from `make_train_step` on CPU devices; nothing is hard-coded. The seed
+examples (DESIGN.md, "Seed numbers") must come out as the seeds state them.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jdp.mesh import DATA_AXIS, make_mesh
+from jdp.optim import OptimizerSpec
+from jdp.reduce import mean_over_devices, sum_over_devices
+from jdp.step import get_params, make_train_step
+
+EXPLAIN_DEVICES = 8  # fake CPU devices `jdp explain` needs
+REDUCTIONS = {  # name -> (reduction, lr_correction)
+    "mean": ("mean", None),
+    "sum raw": ("sum", "none"),
+    "sum + auto LR": ("sum", "auto"),
+    "sum + exact": ("sum", "exact"),
+}
+
+
+def cpu_devices(n: int) -> list:
+    devices = jax.devices("cpu")
+    if len(devices) < n:
+        raise ValueError(f"jdp explain needs {n} CPU devices but jax has {len(devices)}; call "
+                         f"jdp.cpu.use_cpu_devices({n}) before any jax computation.")
+    return devices[:n]
+
+
+def _mse(params, batch):
+    """Mean squared error of y = x·w (or w·x for scalar w) over the examples given."""
+    x = batch["x"]
+    pred = x @ params["w"] if x.ndim == 2 else x * params["w"]
+    return jnp.mean((pred - batch["t"]) ** 2)
+
+
+def _step_once(x, t, w, lr, n, reduction="mean", lr_correction=None, backend="shard_map"):
+    step = make_train_step(_mse, optax.sgd(lr), backend=backend, reduction=reduction,
+                           lr_correction=lr_correction, devices=cpu_devices(n))
+    state, _ = step(step.init({"w": np.asarray(w, np.float32)}), {"x": x, "t": t})
+    return get_params(state)["w"].astype(np.float64)
+
+
+def _grad(x, t, w, n, reduction="mean", backend="shard_map"):
+    """The reduced gradient, read off one SGD step with lr = 1 (w' = w - g, exact in float32)."""
+    return np.asarray(w, np.float64) - _step_once(x, t, w, 1.0, n, reduction, "none" if reduction == "sum" else None,
+                                                  backend)
+
+
+def _seed(x, t, w, lr, n, backend):
+    shards = np.split(np.arange(len(x)), n)
+    r = lambda a: np.round(a, 4).tolist()  # noqa: E731  (float32 steps: 4 decimals are exact)
+    return {
+        "w0": r(np.asarray(w, np.float64)), "lr": lr, "devices": n,
+        "one_device": {"grad": r(_grad(x, t, w, 1, backend=backend)), "w": r(_step_once(x, t, w, lr, 1, backend=backend))},
+        "local_grads": [r(_grad(x[s], t[s], w, 1, backend=backend)) for s in shards],
+        "mean": {"grad": r(_grad(x, t, w, n, backend=backend)), "w": r(_step_once(x, t, w, lr, n, backend=backend))},
+        "sum": {"grad": r(_grad(x, t, w, n, "sum", backend)),
+                "w": r(_step_once(x, t, w, lr, n, "sum", "none", backend))},
+        "sum_lr_over_n": {"lr": lr / n, "w": r(_step_once(x, t, w, lr, n, "sum", "auto", backend))},
+    }
+
+
+def seed_single_param(backend: str = "shard_map") -> dict:
+    """Seed 1: y = w·x, MSE, w = 1, lr = 0.01, x = [2,3,1,4], t = [3,5,2,6] on 1 and 2 devices."""
+    x = np.array([2.0, 3.0, 1.0, 4.0], np.float32)
+    t = np.array([3.0, 5.0, 2.0, 6.0], np.float32)
+    return _seed(x, t, 1.0, 0.01, 2, backend)
+
+
+def seed_two_params(backend: str = "shard_map") -> dict:
+    """Seed 2: y = w1·x1 + w2·x2, MSE, w = (0.5, -0.3), lr = 0.1, four devices of two samples."""
+    x = np.array([[1, 2], [2, 1], [.5, 1.5], [1.5, .5], [3, 1], [1, 3], [2, 2], [.5, .5]], np.float32)
+    t = np.array([1, 2, .5, 1.5, 3, 1, 2.5, .5], np.float32)
+    return _seed(x, t, [0.5, -0.3], 0.1, 4, backend)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """The small fixed problem of the matrix: a 2-layer MLP classifier and a few global batches."""
+
+    params: dict
+    batches: list
+
+    @staticmethod
+    def make(steps: int = 3, global_batch: int = 32, seed: int = 0) -> Problem:
+        rng = np.random.default_rng(seed)
+        params = {"w1": rng.normal(0, 0.5, (8, 16)).astype(np.float32), "b1": np.zeros(16, np.float32),
+                  "w2": rng.normal(0, 0.25, (16, 4)).astype(np.float32), "b2": np.zeros(4, np.float32)}
+        batches = [{"x": rng.normal(size=(global_batch, 8)).astype(np.float32),
+                    "y": rng.integers(0, 4, global_batch).astype(np.int32)} for _ in range(steps)]
+        return Problem(params, batches)
+
+
+def _mlp_loss(params, batch, scale=1.0):
+    h = jnp.tanh(batch["x"] @ params["w1"] + params["b1"])
+    logits = h @ params["w2"] + params["b2"]
+    return scale * optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+
+def _train(problem: Problem, spec: OptimizerSpec, reduction: str, lr_correction, n: int,
+           backend: str = "shard_map", loss_scale: float = 1.0):
+    """Params after training on `problem`, and the gradient norm each step saw (what clipping sees)."""
+    loss = (lambda p, b: _mlp_loss(p, b, loss_scale)) if loss_scale != 1.0 else _mlp_loss
+    step = make_train_step(loss, spec, backend=backend, reduction=reduction, lr_correction=lr_correction,
+                           devices=cpu_devices(n))
+    state = step.init(problem.params)
+    norms = []
+    for batch in problem.batches:
+        state, metrics = step(state, batch)
+        norms.append(metrics["grad_norm"])
+    return get_params(state), [float(x) for x in jax.device_get(norms)]
+
+
+def _max_abs_diff(a, b) -> float:
+    return max(float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
+               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def matrix_specs(clip_norm: float) -> dict[tuple[str, bool], OptimizerSpec]:
+    """The optimizer × clipping grid of the matrix."""
+    base = {"sgd": OptimizerSpec("sgd", lr=0.1), "momentum": OptimizerSpec("momentum", lr=0.1),
+            "adam": OptimizerSpec("adam", lr=1e-2), "adamw": OptimizerSpec("adamw", lr=1e-2, weight_decay=0.1)}
+    return {(name, clip): spec.replace(clip_norm=clip_norm if clip else None)
+            for name, spec in base.items() for clip in (False, True)}
+
+
+def clip_threshold(problem: Problem) -> float:
+    """A max-norm that the mean gradient stays under while the N× sum exceeds it (1.5× the first norm)."""
+    _, norms = _train(Problem(problem.params, problem.batches[:1]), OptimizerSpec("sgd", lr=0.1), "mean", None, 1)
+    return float(np.round(1.5 * norms[0], 3))
+
+
+def deviation_matrix(ns=(2, 4, 8), backend: str = "shard_map", problem: Problem | None = None) -> list[dict]:
+    """max |Δparam| vs the one-device run, for optimizer × clipping × reduction × N."""
+    problem = problem or Problem.make()
+    clip = clip_threshold(problem)
+    rows = []
+    for (name, clipped), spec in matrix_specs(clip).items():
+        reference, _ = _train(problem, spec, "mean", None, 1, backend)
+        for label, (reduction, correction) in REDUCTIONS.items():
+            for n in ns:
+                params, _ = _train(problem, spec, reduction, correction, n, backend)
+                rows.append({"optimizer": name, "clip": clipped, "clip_norm": clip if clipped else None,
+                             "reduction": label, "devices": n,
+                             "max_abs_dparam": _max_abs_diff(params, reference)})
+    return rows
+
+
+def adam_eps_sweep(n: int = 8, scales=(1.0, 1e-3, 1e-5, 1e-6, 1e-7, 1e-8, 1e-9, 1e-10),
+                   backend: str = "shard_map") -> list[dict]:
+    """Adam (ε = 1e-8): how far raw psum strays from pmean as the gradient shrinks towards ε.
+
+    The loss is multiplied by `scale`, so gradients scale with it; Adam's step would not change at
+    all but for ε. `relative_deviation` = max |Δparam(sum) − Δparam(mean)| / max |Δparam(mean)|.
+    """
+    problem = Problem.make()
+    spec = OptimizerSpec("adam", lr=1e-2)
+    n_params = sum(np.size(p) for p in jax.tree.leaves(problem.params))
+    rows = []
+    for scale in scales:
+        mean, norms = _train(problem, spec, "mean", None, n, backend, scale)
+        raw, _ = _train(problem, spec, "sum", "none", n, backend, scale)
+        moved = _max_abs_diff(mean, problem.params)
+        rows.append({"loss_scale": scale, "rms_grad": norms[0] / np.sqrt(n_params),
+                     "relative_deviation": _max_abs_diff(raw, mean) / moved})
+    return rows
+
+
+def clipping_rates(n: int = 8, steps: int = 20, backend: str = "shard_map") -> list[dict]:
+    """How many of `steps` steps each reduction clips, at one max-norm, with SGD + clip."""
+    problem = Problem.make(steps=steps)
+    clip = clip_threshold(problem)
+    spec = OptimizerSpec("sgd", lr=0.1, clip_norm=clip)
+    rows = []
+    for label, (reduction, correction) in REDUCTIONS.items():
+        _, norms = _train(problem, spec, reduction, correction, n, backend)
+        threshold = clip * n if correction == "exact" else clip  # what the clip transform compares with
+        rows.append({"reduction": label, "clip_norm": threshold, "steps": steps,
+                     "clipped_steps": int(sum(x > threshold for x in norms)),
+                     "median_grad_norm_seen": float(np.median(norms))})
+    return rows
+
+
+def fp16_overflow(n: int = 8) -> dict:
+    """Eight devices' fp16 gradients of 9000..9700: their plain sum (74,800) exceeds fp16's 65,504."""
+    grads = (9000.0 + 100.0 * np.arange(n)).astype(np.float16)
+    mesh = make_mesh(cpu_devices(n))
+    spec = jax.sharding.PartitionSpec(DATA_AXIS)
+
+    def reduced(fn):
+        return float(np.asarray(jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec)(grads))[0])
+
+    return {"devices": n, "per_device_grads": grads.astype(float).tolist(), "fp16_max": float(np.finfo(np.float16).max),
+            "true_mean": float(grads.astype(np.float64).mean()),
+            "psum": reduced(sum_over_devices),
+            "lax_pmean": reduced(lambda g: jax.lax.pmean(g, DATA_AXIS)),
+            "jdp_mean_divide_first": reduced(mean_over_devices)}
+
+
+CONCLUSION = (
+    "Averaging is the only reduction that needs no knowledge of the optimizer: each device's mean "
+    "loss, averaged over devices, is the mean over the whole global batch, so N devices take exactly "
+    "the one-device step (deviations at float32 rounding). Summing multiplies the gradient by N. "
+    "Dividing the learning rate by N undoes that only where the update is linear in the gradient "
+    "(SGD, momentum); Adam normalises the gradient away, so lr/N makes its steps about N times too "
+    "small, while the raw sum is almost right except where gradients are as small as ε; clipping "
+    "compares an N-times norm with the threshold and clips when the mean would not; AdamW's weight "
+    "decay gets divided too. Each difference comes from exactly one hyperparameter that is not "
+    "scale-free (lr for SGD, ε for Adam, the max-norm for clipping), and correcting that one value "
+    "makes the sum exact again. In fp16 the sum itself can overflow, so jdp divides before it sums.")
+
+
+def explain(ns=(2, 4, 8), backend: str = "shard_map") -> dict:
+    """All of `jdp explain`'s results, as plain data."""
+    t0 = time.perf_counter()
+    return {
+        "seed_single_param": seed_single_param(backend),
+        "seed_two_params": seed_two_params(backend),
+        "matrix": deviation_matrix(ns, backend),
+        "adam_eps": adam_eps_sweep(max(ns), backend=backend),
+        "clipping": clipping_rates(max(ns), backend=backend),
+        "fp16": fp16_overflow(max(ns)),
+        "conclusion": CONCLUSION,
+        "backend": backend,
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.1e}" if x < 1e-3 else f"{x:.4f}"
+
+
+def _seed_table(title: str, seed: dict):
+    from rich.table import Table
+
+    n, lr = seed["devices"], seed["lr"]
+    table = Table(title=title, title_justify="left")
+    for col in ("run", "gradient", "w after one step"):
+        table.add_column(col)
+    fmt = lambda v: str(v if isinstance(v, list) else round(v, 4))  # noqa: E731
+    table.add_row(f"1 device, whole batch (lr {lr})", fmt(seed["one_device"]["grad"]), fmt(seed["one_device"]["w"]))
+    for i, g in enumerate(seed["local_grads"]):
+        table.add_row(f"  device {i + 1}, its shard only", fmt(g), "")
+    table.add_row(f"{n} devices, mean (pmean)", fmt(seed["mean"]["grad"]), fmt(seed["mean"]["w"]))
+    table.add_row(f"{n} devices, sum (psum)", fmt(seed["sum"]["grad"]), fmt(seed["sum"]["w"]))
+    table.add_row(f"{n} devices, sum with lr/{n} = {seed['sum_lr_over_n']['lr']:g}", "", fmt(seed["sum_lr_over_n"]["w"]))
+    return table
+
+
+def render(results: dict, console=None) -> None:
+    """Print `explain()`'s results as tables (rich)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    console.print("[bold]Why average? jdp's step on fake CPU devices[/bold] "
+                  f"(backend {results['backend']}, {results['seconds']} s)\n")
+    console.print(_seed_table("Seed 1: y = w·x, MSE, w = 1", results["seed_single_param"]))
+    console.print(_seed_table("Seed 2: y = w1·x1 + w2·x2, MSE, w = (0.5, -0.3)", results["seed_two_params"]))
+
+    rows = results["matrix"]
+    ns = sorted({r["devices"] for r in rows})
+    clip = next((r["clip_norm"] for r in rows if r["clip"]), None)
+    table = Table(title=f"max |Δparam| vs one device after {len(Problem.make().batches)} steps "
+                  f"(MLP 8-16-4, global batch 32; clip = clip_by_global_norm({clip}))", title_justify="left")
+    for col in ("optimizer", "clip", "reduction", *[f"N={n}" for n in ns]):
+        table.add_column(col, justify="right" if col.startswith("N=") else "left")
+    for key in dict.fromkeys((r["optimizer"], r["clip"], r["reduction"]) for r in rows):
+        vals = {r["devices"]: r["max_abs_dparam"] for r in rows if (r["optimizer"], r["clip"], r["reduction"]) == key}
+        cells = [f"[green]{_fmt(vals[n])}[/green]" if vals[n] <= 1e-6 else f"[red]{_fmt(vals[n])}[/red]" for n in ns]
+        table.add_row(key[0], "on" if key[1] else "off", key[2], *cells)
+    console.print(table)
+
+    table = Table(title="Adam (ε = 1e-8): raw sum vs mean as gradients shrink towards ε", title_justify="left")
+    for col in ("loss × ", "RMS gradient", "|Δ(sum) − Δ(mean)| / |Δ(mean)|"):
+        table.add_column(col, justify="right")
+    for r in results["adam_eps"]:
+        table.add_row(f"{r['loss_scale']:g}", f"{r['rms_grad']:.1e}", f"{r['relative_deviation']:.2e}")
+    console.print(table)
+
+    table = Table(title="Clipping: steps clipped at one max-norm (SGD + clip_by_global_norm)", title_justify="left")
+    for col in ("reduction", "threshold compared", "median norm seen", "clipped steps"):
+        table.add_column(col, justify="right")
+    for r in results["clipping"]:
+        table.add_row(r["reduction"], f"{r['clip_norm']:g}", f"{r['median_grad_norm_seen']:.3f}",
+                      f"{r['clipped_steps']} of {r['steps']}")
+    console.print(table)
+
+    f = results["fp16"]
+    table = Table(title=f"fp16: {f['devices']} devices' gradients {f['per_device_grads'][0]:g}..{f['per_device_grads'][-1]:g} "
+                  f"(fp16 max {f['fp16_max']:g}; true mean {f['true_mean']:g})", title_justify="left")
+    table.add_column("reduction")
+    table.add_column("result", justify="right")
+    table.add_row("psum", str(f["psum"]))
+    table.add_row("lax.pmean (sum, then divide)", str(f["lax_pmean"]))
+    table.add_row("jdp mean (divide, then sum)", str(f["jdp_mean_divide_first"]))
+    console.print(table)
+    console.print("\n[bold]Conclusion.[/bold] " + results["conclusion"])
+
+
+def plot(results: dict, path: str) -> None:
+    """Save deviation vs N, one panel per optimizer, one line per reduction (needs matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install 'jdp[plot]'.") from None
+    rows = results["matrix"]
+    optimizers = list(dict.fromkeys(r["optimizer"] for r in rows))
+    fig, axes = plt.subplots(1, len(optimizers), figsize=(4 * len(optimizers), 3.6), sharey=True)
+    for ax, name in zip(axes, optimizers):
+        for label in REDUCTIONS:
+            for clipped, style in ((False, "-"), (True, "--")):
+                pts = sorted((r["devices"], max(r["max_abs_dparam"], 1e-9)) for r in rows
+                             if r["optimizer"] == name and r["reduction"] == label and r["clip"] == clipped)
+                ax.plot(*zip(*pts), style, marker="o", label=f"{label}{' + clip' if clipped else ''}")
+        ax.set(title=name, xlabel="devices N", xscale="log", yscale="log", xticks=[2, 4, 8], xticklabels=["2", "4", "8"])
+    axes[0].set_ylabel("max |Δparam| vs 1 device")
+    axes[-1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1, 0.5))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
