@@ -4,11 +4,13 @@ N devices each take the mean loss over their shard, all-reduce-average the gradi
 exactly the step one device would take on the whole global batch.
 """
 from jdp import cpu
+from jdp.comm import CommReport, comm_report
 from jdp.optim import OptimizerSpec, exact_sum_spec
 from jdp.mesh import DATA_AXIS, batch_sharded, make_mesh, replicated
-from jdp.reduce import mean_over_devices, reduce_gradients, sum_over_devices
+from jdp.reduce import mean_over_devices, reduce_step_values, sum_over_devices
 from jdp.replicas import ReplicaMismatchError, check_replicas, replica_mismatches
-from jdp.step import TrainState, TrainStep, device_key, get_params, get_tree, make_train_step
+from jdp.state import LocalAccum, TrainState, device_key
+from jdp.step import TrainStep, get_params, get_tree, make_train_step
 
 __version__ = "0.1.0"
 
@@ -16,7 +18,7 @@ __version__ = "0.1.0"
 cpu.configure_cpu_threads()
 
 __all__ = [
-    "DATA_AXIS", "OptimizerSpec", "exact_sum_spec", "ReplicaMismatchError", "TrainState", "TrainStep", "batch_sharded", "check_replicas",
+    "CommReport", "DATA_AXIS", "comm_report", "OptimizerSpec", "exact_sum_spec", "ReplicaMismatchError", "TrainState", "TrainStep", "batch_sharded", "check_replicas",
     "device_key", "get_params", "get_tree", "make_mesh", "make_train_step", "mean_over_devices",
-    "reduce_gradients", "replica_mismatches", "replicated", "sum_over_devices",
+    "reduce_step_values", "LocalAccum", "replica_mismatches", "replicated", "sum_over_devices",
 ]

@@ -1,7 +1,8 @@
 """Cross-device reductions over `DATA_AXIS`. Each one says the scale of what it returns.
 
 These run inside the per-device step (under `shard_map` or `pmap`), where every device holds the
-mean loss and gradient over its own b examples.
+mean loss and gradient over its own b examples. Each function issues ONE all-reduce for its whole
+pytree, so a step communicates once however many leaves it reduces.
 """
 from __future__ import annotations
 
@@ -13,36 +14,51 @@ from jdp.mesh import DATA_AXIS
 
 REDUCTIONS = ("mean", "sum")
 
-# Below float32 a sum over many devices can overflow (fp16 max is 65504), so such values are
-# divided by N before they are summed, as PyTorch DDP does.
-_LOW_PRECISION = (jnp.float16, jnp.bfloat16)
+
+def _low_precision(x) -> bool:
+    # Below float32 a sum over many devices can overflow (fp16 max is 65504), so such values are
+    # divided by N before they are summed, as PyTorch DDP does.
+    return x.dtype in (jnp.float16, jnp.bfloat16)
 
 
-def _mean_leaf(x: jax.Array) -> jax.Array:
-    if x.dtype in _LOW_PRECISION:
-        return lax.psum(x / lax.axis_size(DATA_AXIS), DATA_AXIS)
-    return lax.pmean(x, DATA_AXIS)
+def _psum_scaled(tree, divide_before, divide_after):
+    """psum of `tree` in one all-reduce, dividing by N before or after per leaf as flagged."""
+    n = lax.axis_size(DATA_AXIS)
+    leaves, treedef = jax.tree.flatten(tree)
+    sent = [x / n if before else x for x, before in zip(leaves, divide_before)]
+    summed = lax.psum(sent, DATA_AXIS)
+    out = [s / n if after else s for s, after in zip(summed, divide_after)]
+    return jax.tree.unflatten(treedef, out)
 
 
 def mean_over_devices(tree):
-    """Mean over the N devices of `DATA_AXIS`, leaf by leaf.
+    """Mean over the N devices of `DATA_AXIS`, leaf by leaf, in one all-reduce.
 
     Given per-device means over b examples each, the result is the mean over all N·b examples:
     the value one device would compute on the whole global batch. fp16/bf16 leaves are divided by
-    N before the sum, so the reduction cannot overflow where the mean itself would not.
+    N before the sum, so the reduction cannot overflow where the mean itself would not; other
+    leaves are summed, then divided (exactly `lax.pmean`).
     """
-    return jax.tree.map(_mean_leaf, tree)
+    low = [_low_precision(x) for x in jax.tree.leaves(tree)]
+    return _psum_scaled(tree, low, [not lo for lo in low])
 
 
 def sum_over_devices(tree):
     """Sum over the N devices of `DATA_AXIS`: N times `mean_over_devices` (the psum variant)."""
-    return jax.tree.map(lambda x: lax.psum(x, DATA_AXIS), tree)
+    n_leaves = len(jax.tree.leaves(tree))
+    return _psum_scaled(tree, [False] * n_leaves, [False] * n_leaves)
 
 
-def reduce_gradients(grads, reduction: str):
-    """Reduce per-device gradients with `reduction` ("mean": the global-batch gradient; "sum": N× it)."""
-    if reduction == "mean":
-        return mean_over_devices(grads)
-    if reduction == "sum":
-        return sum_over_devices(grads)
-    raise ValueError(f"reduction={reduction!r} is not supported; use one of {REDUCTIONS}.")
+def reduce_step_values(grads, loss, aux, reduction: str):
+    """Reduce one step's gradients (by `reduction`) and its metrics (always by mean) in one all-reduce.
+
+    Returns `(grads, loss, aux)`: with "mean" the gradient of the mean loss over all N·b examples,
+    with "sum" N times it; `loss` and `aux` are always means over all N·b examples.
+    """
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction={reduction!r} is not supported; use one of {REDUCTIONS}.")
+    values = (grads, loss, aux)
+    is_grad = [True] * len(jax.tree.leaves(grads)) + [False] * len(jax.tree.leaves((loss, aux)))
+    low = [_low_precision(x) for x in jax.tree.leaves(values)]
+    divide = [reduction == "mean" or not g for g in is_grad]  # a mean divides by N once
+    return _psum_scaled(values, [d and lo for d, lo in zip(divide, low)], [d and not lo for d, lo in zip(divide, low)])

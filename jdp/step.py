@@ -1,4 +1,5 @@
-"""`make_train_step`: grad -> reduce -> update, on N devices, equal to one device on the global batch.
+"""`make_train_step`: grad -> reduce -> accumulate -> update, on N devices, equal to one device on
+the global batch.
 
 The per-device function `_device_step` is the whole algorithm. Two backends run it:
 
@@ -7,6 +8,10 @@ The per-device function `_device_step` is the whole algorithm. Two backends run 
 - "pmap": `jax.pmap(...)`. State leaves carry a leading device axis of size N (one copy each);
   the batch is reshaped to (N, b, ...). Every argument is mapped on axis 0: `in_axes=None` on an
   empty pytree (e.g. `optax.sgd`'s state) shifts the axes of the next argument in jax 0.10.2.
+
+Gradient accumulation over M micro-batches (seed 002: scale by 1/(D·M)) comes in two modes:
+"every" wraps the optimizer in `optax.MultiSteps` and all-reduces on every call; "last" sums
+each device's gradients locally and all-reduces once, inside the branch that applies the update.
 """
 from __future__ import annotations
 
@@ -19,41 +24,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import struct
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jdp.mesh import DATA_AXIS, batch_sharded, make_mesh, replicated
 from jdp.optim import OptimizerSpec, exact_sum_spec
-from jdp.reduce import REDUCTIONS, mean_over_devices, reduce_gradients
+from jdp.reduce import REDUCTIONS, reduce_step_values
+from jdp.state import LocalAccum, TrainState, device_key
 
 BACKENDS = ("shard_map", "pmap")
 LR_CORRECTIONS = ("auto", "none", "exact")
-
-
-class TrainState(struct.PyTreeNode):
-    """Everything a step reads and writes; identical on every device."""
-
-    step: jax.Array  # int32 scalar: optimizer steps taken so far
-    params: Any  # the model's parameters, any pytree of arrays
-    opt_state: Any  # the optax state of `optimizer`
-    rng: jax.Array  # uint32[2] base key; each step and device derives its own key from it
-    stacked: bool = struct.field(pytree_node=False, default=False)  # pmap layout: leaves are (N, ...)
-
-
-def device_key(base_key: jax.Array, step: jax.Array) -> jax.Array:
-    """The key one device uses at `step`: a function of (seed, step, device index) only.
-
-    Never of host state or of how often the step was compiled, so dropout masks are reproducible,
-    and different on every device and every step.
-    """
-    return jax.random.fold_in(jax.random.fold_in(base_key, step), lax.axis_index(DATA_AXIS))
+ACCUM_SYNCS = ("every", "last")
 
 
 class TrainStep:
     """A compiled data-parallel training step. Build it with `make_train_step`."""
 
-    def __init__(self, loss_fn, optimizer, *, backend, reduction, lr_correction, devices, has_aux, needs_rng):
+    def __init__(self, loss_fn, optimizer, *, backend, reduction, lr_correction, devices, has_aux, needs_rng,
+                 accum_steps, accum_sync):
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r} is not supported; use one of {BACKENDS}.")
         if reduction not in REDUCTIONS:
@@ -63,26 +51,40 @@ class TrainStep:
                              f"got {type(optimizer).__name__}.")
         if not callable(loss_fn):
             raise ValueError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
+        if isinstance(accum_steps, bool) or not isinstance(accum_steps, (int, np.integer)) or accum_steps < 1:
+            raise ValueError(f"accum_steps={accum_steps!r} must be an integer of at least 1.")
+        if accum_sync not in ACCUM_SYNCS:
+            raise ValueError(f"accum_sync={accum_sync!r} is not supported; use one of {ACCUM_SYNCS}.")
         self.loss_fn = loss_fn
         self.backend, self.reduction = backend, reduction
         self.has_aux, self.needs_rng = has_aux, needs_rng
+        self.accum_steps, self.accum_sync = int(accum_steps), accum_sync
         self.mesh = make_mesh(devices)
         self.devices = list(self.mesh.devices.flat)
         self.num_devices = len(self.devices)
         self.lr_correction = _resolve_lr_correction(reduction, lr_correction, optimizer)
         self.optimizer = _corrected_optimizer(optimizer, self.lr_correction, self.num_devices)
+        # With accum_sync="last", gradients wait in per-device sums until the M-th call.
+        self.local_accum = self.accum_steps > 1 and accum_sync == "last"
+        if self.accum_steps > 1 and accum_sync == "every":
+            self.optimizer = optax.MultiSteps(self.optimizer, every_k_schedule=self.accum_steps).gradient_transformation()
         # Steps allowed in flight before __call__ waits for the oldest (None: unbounded). On CPU
         # devices XLA admits 32 per device and then blocks a client-pool thread per launch, which
         # can starve the threads that run the steps and deadlock the all-reduce (jdp/cpu.py).
         self.max_inflight = 8 if all(d.platform == "cpu" for d in self.devices) else None
         self._inflight = collections.deque()
         self.trace_count = 0  # how often the step was traced (= compiled); tests assert it stays 1
+
         stacked = backend == "pmap"
-        self._init = jax.jit(partial(self._init_state, stacked=stacked),
-                             out_shardings=batch_sharded(self.mesh) if stacked else replicated(self.mesh))
+        rep, split = replicated(self.mesh), batch_sharded(self.mesh)
+        self._state_shardings = split if stacked else TrainState(
+            step=rep, micro_step=rep, params=rep, opt_state=rep, rng=rep, accum=split if self.local_accum else None)
+        self._init = jax.jit(partial(self._init_state, stacked=stacked), out_shardings=self._state_shardings)
         if backend == "shard_map":
-            mapped = jax.shard_map(self._device_step, mesh=self.mesh,
-                                   in_specs=(P(), P(DATA_AXIS)), out_specs=(P(), P()), check_vma=True)
+            state_specs = TrainState(step=P(), micro_step=P(), params=P(), opt_state=P(), rng=P(),
+                                     accum=P(DATA_AXIS) if self.local_accum else None)
+            mapped = jax.shard_map(self._device_step, mesh=self.mesh, in_specs=(state_specs, P(DATA_AXIS)),
+                                   out_specs=(state_specs, P()), check_vma=True)
             self._step = jax.jit(mapped, donate_argnums=0)
         else:
             self._step = jax.pmap(self._device_step, axis_name=DATA_AXIS, devices=self.devices,
@@ -90,7 +92,7 @@ class TrainStep:
 
     # The per-device step: the algorithm, in order.
     def _device_step(self, state: TrainState, batch):
-        """One step on one device's b examples; returns the replicated new state and metrics."""
+        """One call on one device's b examples; returns the new state and global metrics."""
         self.trace_count += 1
         params = state.params
         if self.backend == "shard_map":
@@ -98,18 +100,58 @@ class TrainStep:
             # sum the gradient over devices itself (and pmean becomes the identity). Cast them to
             # per-device values outside the loss so grad returns this device's own gradient.
             params = lax.pcast(params, DATA_AXIS, to="varying")
-        args = (batch, device_key(state.rng, state.step)) if self.needs_rng else (batch,)
+        args = (batch, device_key(state.rng, state.micro_step)) if self.needs_rng else (batch,)
+        updates_now = (state.micro_step + 1) % self.accum_steps == 0
 
         # 1. grad: the mean loss over this device's b examples, and its gradient.
         (loss, aux), grads = jax.value_and_grad(self._loss_and_aux, has_aux=True)(params, *args)
-        # 2. reduce: over N devices -> the gradient of the mean loss over all N·b examples.
-        grads = reduce_gradients(grads, self.reduction)
-        # 3. update: the same optimizer step on every device, so replicas stay identical.
-        updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        if self.local_accum:
+            params, opt_state, accum, metrics = self._accumulate_then_update(state, grads, loss, aux, updates_now)
+        else:
+            # 2. reduce: over N devices -> the gradient of the mean loss over all N·b examples.
+            grads, loss, aux = reduce_step_values(grads, loss, aux, self.reduction)
+            # 3. accumulate + update: MultiSteps (accum_steps > 1) averages the M reduced
+            #    gradients and applies them on the M-th call; otherwise every call updates.
+            updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
+            params, accum = optax.apply_updates(state.params, updates), state.accum
+            metrics = self._metrics(loss, grads, aux)
 
-        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
-        return new_state, self._metrics(loss, grads, aux)
+        new_state = state.replace(step=state.step + updates_now.astype(jnp.int32), micro_step=state.micro_step + 1,
+                                  params=params, opt_state=opt_state, accum=accum)
+        metrics.update(updated=updates_now, step=new_state.step, micro_step=new_state.micro_step)
+        return new_state, metrics
+
+    def _accumulate_then_update(self, state, grads, loss, aux, updates_now):
+        """accum_sync="last": sum locally; on the M-th call reduce once and apply the update."""
+        m = self.accum_steps
+        acc = self._local_view(state.accum)
+        # 2. accumulate: this device's running sums, no communication.
+        acc = jax.tree.map(jnp.add, acc, LocalAccum(grads, loss, aux))
+
+        def update(acc):
+            # 3. reduce, once per optimizer step: (1/M)·Σ over micro-steps, then the mean over N
+            #    devices = 1/(D·M) of the sum of all D·M micro-batch gradients (seed 002).
+            mean_acc = jax.tree.map(lambda x: x / m, acc)
+            g, lo, au = reduce_step_values(mean_acc.grads, mean_acc.loss, mean_acc.aux, self.reduction)
+            # 4. update.
+            updates, opt_state = self.optimizer.update(g, state.opt_state, state.params)
+            emptied = jax.tree.map(lambda x: x - x, acc)  # zeros that stay per-device values
+            return optax.apply_updates(state.params, updates), opt_state, emptied, self._metrics(lo, g, au)
+
+        def hold(acc):
+            # No communication on this call, so no global metrics either: NaN until the update.
+            nan = lambda t: jax.tree.map(lambda x: jnp.full(x.shape, jnp.nan, jnp.float32), t)  # noqa: E731
+            return state.params, state.opt_state, acc, nan(jax.eval_shape(self._metrics, loss, grads, aux))
+
+        params, opt_state, acc, metrics = lax.cond(updates_now, update, hold, acc)
+        return params, opt_state, self._global_view(acc), metrics
+
+    def _local_view(self, accum):
+        # shard_map hands each device a (1, ...) slice of the (N, ...) accumulator; pmap a (...) one.
+        return jax.tree.map(lambda x: x[0], accum) if self.backend == "shard_map" else accum
+
+    def _global_view(self, accum):
+        return jax.tree.map(lambda x: x[None], accum) if self.backend == "shard_map" else accum
 
     def _loss_and_aux(self, params, *args):
         out = self.loss_fn(params, *args)
@@ -120,50 +162,71 @@ class TrainStep:
         return out
 
     def _metrics(self, loss, grads, aux):
-        """Per-device means averaged over devices: means over all N·b examples (equal shards)."""
+        """Global metrics from reduced values: means over all the examples the gradient covers."""
         # The norm in float32: squaring fp16 gradients overflows long before the gradients do.
         grad_norm = optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), grads))
-        metrics = {"loss": mean_over_devices(loss), "grad_norm": grad_norm}
+        metrics = {"loss": loss.astype(jnp.float32), "grad_norm": grad_norm}
         if self.has_aux:
-            metrics["aux"] = mean_over_devices(aux)
+            metrics["aux"] = aux
         return metrics
 
     # Host side: placing state and batches, calling the compiled step.
-    def _init_state(self, params, key, *, stacked: bool) -> TrainState:
-        state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                           opt_state=self.optimizer.init(params), rng=key)
+    def _init_state(self, params, key, aux_zeros, *, stacked: bool) -> TrainState:
+        zero = jnp.zeros((), jnp.int32)
+        accum = None
+        if self.local_accum:
+            per_device = LocalAccum(grads=jax.tree.map(jnp.zeros_like, params), loss=jnp.zeros((), jnp.float32),
+                                    aux=aux_zeros)
+            accum = jax.tree.map(lambda x: jnp.zeros((self.num_devices, *x.shape), x.dtype), per_device)
+        state = TrainState(step=zero, micro_step=zero, params=params, opt_state=self.optimizer.init(params),
+                           rng=key, accum=None)
         if stacked:
             state = jax.tree.map(lambda x: jnp.broadcast_to(x, (self.num_devices, *x.shape)), state)
-        return state.replace(stacked=stacked)
+        return state.replace(accum=accum, stacked=stacked)
 
-    def init(self, params, *, seed: int = 0) -> TrainState:
+    def init(self, params, *, seed: int = 0, example_batch=None) -> TrainState:
         """The initial state: `params` (a pytree of arrays, the same on every host) on every device.
 
-        `seed` fixes the base RNG key from which per-step, per-device keys are derived.
+        `seed` fixes the base RNG key from which per-micro-step, per-device keys are derived.
+        `example_batch` (a global micro-batch) is needed only with accum_sync="last" and
+        has_aux=True, to size the per-device aux accumulator.
         """
-        leaves = jax.tree.leaves(params)
-        if not leaves:
+        if not jax.tree.leaves(params):
             raise ValueError("params has no array leaves; pass a pytree of arrays.")
-        return self._init(params, jax.random.key_data(jax.random.key(seed)))
+        aux_zeros = {}
+        if self.local_accum and self.has_aux:
+            if example_batch is None:
+                raise ValueError("accum_sync='last' with has_aux=True needs step.init(params, example_batch=batch) "
+                                 "to size the per-device aux accumulator.")
+            aux_zeros = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), self._aux_shapes(params, example_batch))
+        return self._init(params, jax.random.key_data(jax.random.key(seed)), aux_zeros)
+
+    def _aux_shapes(self, params, batch):
+        n = self.num_devices
+        local = jax.tree.map(lambda x: jax.ShapeDtypeStruct((np.shape(x)[0] // n, *np.shape(x)[1:]),
+                                                            jnp.asarray(x[:1]).dtype), batch)
+        args = (local, jax.ShapeDtypeStruct((2,), jnp.uint32)) if self.needs_rng else (local,)
+        return jax.eval_shape(self._loss_and_aux, params, *args)[1]
 
     def shard_batch(self, batch):
-        """Validate a global batch (leading axis = N·b on every leaf) and place it on the devices."""
-        leaves = jax.tree.leaves(batch)
-        if not leaves:
-            raise ValueError("batch has no array leaves; pass a pytree of arrays with a leading batch axis.")
-        sizes = {np.shape(x)[0] if np.ndim(x) else None for x in leaves}
-        if None in sizes:
-            raise ValueError("every batch leaf needs a leading batch axis; found a scalar.")
-        if len(sizes) != 1:
-            raise ValueError(f"batch leaves disagree on the global batch size: {sorted(sizes)}.")
-        (size,) = sizes
+        """Validate a global (micro-)batch (leading axis N·b on every leaf) and place it on the devices."""
         n = self.num_devices
+        size = _batch_size(batch)
         if size % n:
             raise ValueError(f"global batch size {size} does not divide evenly across {n} devices; "
                              f"use a multiple of {n}.")
         if self.backend == "pmap":
             batch = jax.tree.map(lambda x: np.reshape(x, (n, size // n, *np.shape(x)[1:])), batch)
         return jax.device_put(batch, batch_sharded(self.mesh))
+
+    def micro_batches(self, global_batch) -> list:
+        """Split a global batch of M·N·b examples into the M micro-batches the calls consume, in order."""
+        size, m, n = _batch_size(global_batch), self.accum_steps, self.num_devices
+        if size % (m * n):
+            raise ValueError(f"global batch size {size} is not accum_steps × devices × b = {m} × {n} × b "
+                             f"for any whole b; use a multiple of {m * n}.")
+        b = size // m
+        return [jax.tree.map(lambda x: x[k * b:(k + 1) * b], global_batch) for k in range(m)]
 
     def _check_state(self, state):
         if not isinstance(state, TrainState):
@@ -173,11 +236,14 @@ class TrainStep:
                              f"this step uses {self.backend!r}.")
 
     def __call__(self, state: TrainState, batch):
-        """One optimizer step on a global batch; returns (new state, metrics).
+        """One call on a global micro-batch (N·b examples); returns (new state, metrics).
 
-        `state` is donated: use the returned state afterwards. `metrics` are device scalars:
-        `loss` (mean over all N·b examples), `grad_norm` (global norm of the reduced gradient),
-        and `aux` (has_aux losses: the per-device means averaged over devices).
+        The params change on every `accum_steps`-th call. `state` is donated: use the returned
+        state afterwards. `metrics` are device values: `loss` (mean over the examples the reduced
+        gradient covers: this call's N·b, or with accum_sync="last" the whole M·N·b global batch,
+        NaN on calls that do not update), `grad_norm` (global norm of the reduced gradient, same
+        coverage), `aux` (has_aux: means like `loss`), `updated` (this call applied an update),
+        `step` (optimizer steps so far) and `micro_step` (calls so far).
         """
         self._check_state(state)
         batch = self.shard_batch(batch)
@@ -185,7 +251,7 @@ class TrainStep:
             self._inflight.popleft().block_until_ready()  # waits only if the devices are far behind
         state, metrics = self._step(state, batch)
         if self.max_inflight is not None:
-            self._inflight.append(metrics["loss"])
+            self._inflight.append(metrics["micro_step"])
         if self.backend == "pmap":
             metrics = jax.tree.map(lambda m: m[0], metrics)
         return state, metrics
@@ -194,6 +260,18 @@ class TrainStep:
         """The lowered step for this state and batch (e.g. `.compile().as_text()` to read the HLO)."""
         self._check_state(state)
         return self._step.lower(state, self.shard_batch(batch))
+
+
+def _batch_size(batch) -> int:
+    leaves = jax.tree.leaves(batch)
+    if not leaves:
+        raise ValueError("batch has no array leaves; pass a pytree of arrays with a leading batch axis.")
+    sizes = {np.shape(x)[0] if np.ndim(x) else None for x in leaves}
+    if None in sizes:
+        raise ValueError("every batch leaf needs a leading batch axis; found a scalar.")
+    if len(sizes) != 1:
+        raise ValueError(f"batch leaves disagree on the global batch size: {sorted(sizes)}.")
+    return sizes.pop()
 
 
 def _resolve_lr_correction(reduction: str, lr_correction: str | None, optimizer) -> str:
@@ -226,7 +304,7 @@ def _corrected_optimizer(optimizer, lr_correction: str, n: int) -> optax.Gradien
 def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation | OptimizerSpec, *,
                     backend: str = "shard_map", reduction: str = "mean", lr_correction: str | None = None,
                     devices: Sequence[jax.Device] | None = None, has_aux: bool = False,
-                    needs_rng: bool = False) -> TrainStep:
+                    needs_rng: bool = False, accum_steps: int = 1, accum_sync: str = "every") -> TrainStep:
     """Build a data-parallel training step.
 
     Args:
@@ -243,14 +321,19 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation |
         instead (`jdp.optim.exact_sum_spec`), which makes sum equal mean for every spec.
       devices: the devices to use, default all of them.
       has_aux: `loss_fn` returns `(loss, aux)`.
-      needs_rng: `loss_fn` takes a third argument, a key derived from (seed, step, device index).
+      needs_rng: `loss_fn` takes a third argument, a key derived from (seed, micro-step, device).
+      accum_steps: M, the micro-batches per optimizer step. Each call takes one micro-batch; the
+        params change on every M-th call, by the step one device would take on all M·N·b examples.
+      accum_sync: "every" (optax.MultiSteps; an all-reduce on every call) or "last" (local sums;
+        one all-reduce per optimizer step, on the call that applies the update).
 
     Returns:
       A `TrainStep`: `state = step.init(params)`, `state, metrics = step(state, batch)` where the
       batch's leading axis is the GLOBAL batch N·b, split evenly over the N devices.
     """
     return TrainStep(loss_fn, optimizer, backend=backend, reduction=reduction, lr_correction=lr_correction,
-                     devices=devices, has_aux=has_aux, needs_rng=needs_rng)
+                     devices=devices, has_aux=has_aux, needs_rng=needs_rng, accum_steps=accum_steps,
+                     accum_sync=accum_sync)
 
 
 def _first_copy(x: jax.Array) -> np.ndarray:

@@ -1,0 +1,40 @@
+"""The train state, and the per-device keys derived from it."""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+from flax import struct
+from jax import lax
+
+from jdp.mesh import DATA_AXIS
+
+
+class LocalAccum(NamedTuple):
+    """Per-device sums over the micro-steps since the last update (accum_sync="last"); NOT replicated."""
+
+    grads: Any  # sum of this device's micro-batch gradients, same pytree as params
+    loss: jax.Array  # sum of this device's micro-batch mean losses
+    aux: Any  # sum of this device's micro-batch aux metrics
+
+
+class TrainState(struct.PyTreeNode):
+    """Everything a step reads and writes. All of it is identical on every device except `accum`."""
+
+    step: jax.Array  # int32 scalar: optimizer steps (updates) taken so far
+    micro_step: jax.Array  # int32 scalar: calls (micro-batches) taken so far; = step with accum_steps=1
+    params: Any  # the model's parameters, any pytree of arrays
+    opt_state: Any  # the optax state (an optax.MultiStepsState with accum_sync="every")
+    rng: jax.Array  # uint32[2] base key; each micro-step and device derives its own key from it
+    accum: LocalAccum | None = None  # accum_sync="last" only: leaves (N, ...), one slice per device
+    stacked: bool = struct.field(pytree_node=False, default=False)  # pmap layout: every leaf is (N, ...)
+
+
+def device_key(base_key: jax.Array, micro_step: jax.Array) -> jax.Array:
+    """The key one device uses at `micro_step`: a function of (seed, micro-step, device index) only.
+
+    `micro_step` counts calls (step · accum_steps + micro-step within it). Never a function of
+    host state or of how often the step was compiled: masks are reproducible, and differ on every
+    device and every micro-step.
+    """
+    return jax.random.fold_in(jax.random.fold_in(base_key, micro_step), lax.axis_index(DATA_AXIS))
