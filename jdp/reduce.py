@@ -49,16 +49,17 @@ def sum_over_devices(tree):
     return _psum_scaled(tree, [False] * n_leaves, [False] * n_leaves)
 
 
-def reduce_step_values(grads, loss, aux, reduction: str):
-    """Reduce one step's gradients (by `reduction`) and its metrics (always by mean) in one all-reduce.
+def reduce_step_values(grads, means, reduction: str):
+    """Reduce one step's gradients (by `reduction`) and other values (by mean) in one all-reduce.
 
-    Returns `(grads, loss, aux)`: with "mean" the gradient of the mean loss over all N·b examples,
-    with "sum" N times it; `loss` and `aux` are always means over all N·b examples.
+    Returns `(grads, means)`: with "mean" the gradient of the mean loss over all N·b examples, with
+    "sum" N times it; every leaf of `means` (loss, aux metrics, model state) is averaged over the
+    N devices, i.e. per-device means become means over all N·b examples.
     """
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction={reduction!r} is not supported; use one of {REDUCTIONS}.")
-    values = (grads, loss, aux)
-    is_grad = [True] * len(jax.tree.leaves(grads)) + [False] * len(jax.tree.leaves((loss, aux)))
-    low = [_low_precision(x) for x in jax.tree.leaves(values)]
+    is_grad = [True] * len(jax.tree.leaves(grads)) + [False] * len(jax.tree.leaves(means))
+    low = [_low_precision(x) for x in jax.tree.leaves((grads, means))]
     divide = [reduction == "mean" or not g for g in is_grad]  # a mean divides by N once
-    return _psum_scaled(values, [d and lo for d, lo in zip(divide, low)], [d and not lo for d, lo in zip(divide, low)])
+    return _psum_scaled((grads, means), [d and lo for d, lo in zip(divide, low)],
+                        [d and not lo for d, lo in zip(divide, low)])

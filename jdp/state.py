@@ -16,6 +16,7 @@ class LocalAccum(NamedTuple):
     grads: Any  # sum of this device's micro-batch gradients, same pytree as params
     loss: jax.Array  # sum of this device's micro-batch mean losses
     aux: Any  # sum of this device's micro-batch aux metrics
+    examples: jax.Array  # real (unmasked) examples this device has seen since the last update
 
 
 class TrainState(struct.PyTreeNode):
@@ -25,6 +26,7 @@ class TrainState(struct.PyTreeNode):
     micro_step: jax.Array  # int32 scalar: calls (micro-batches) taken so far; = step with accum_steps=1
     params: Any  # the model's parameters, any pytree of arrays
     opt_state: Any  # the optax state (an optax.MultiStepsState with accum_sync="every")
+    model_state: Any  # non-parameter model state (BatchNorm statistics); () without has_state
     rng: jax.Array  # uint32[2] base key; each micro-step and device derives its own key from it
     accum: LocalAccum | None = None  # accum_sync="last" only: leaves (N, ...), one slice per device
     stacked: bool = struct.field(pytree_node=False, default=False)  # pmap layout: every leaf is (N, ...)

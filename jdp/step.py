@@ -41,7 +41,7 @@ class TrainStep:
     """A compiled data-parallel training step. Build it with `make_train_step`."""
 
     def __init__(self, loss_fn, optimizer, *, backend, reduction, lr_correction, devices, has_aux, needs_rng,
-                 accum_steps, accum_sync):
+                 has_state, mask_key, accum_steps, accum_sync):
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r} is not supported; use one of {BACKENDS}.")
         if reduction not in REDUCTIONS:
@@ -57,7 +57,7 @@ class TrainStep:
             raise ValueError(f"accum_sync={accum_sync!r} is not supported; use one of {ACCUM_SYNCS}.")
         self.loss_fn = loss_fn
         self.backend, self.reduction = backend, reduction
-        self.has_aux, self.needs_rng = has_aux, needs_rng
+        self.has_aux, self.needs_rng, self.has_state, self.mask_key = has_aux, needs_rng, has_state, mask_key
         self.accum_steps, self.accum_sync = int(accum_steps), accum_sync
         self.mesh = make_mesh(devices)
         self.devices = list(self.mesh.devices.flat)
@@ -66,6 +66,9 @@ class TrainStep:
         self.optimizer = _corrected_optimizer(optimizer, self.lr_correction, self.num_devices)
         # With accum_sync="last", gradients wait in per-device sums until the M-th call.
         self.local_accum = self.accum_steps > 1 and accum_sync == "last"
+        if self.local_accum and has_state:
+            raise ValueError("has_state=True (e.g. BatchNorm statistics) needs accum_sync='every' when "
+                             "accum_steps > 1: 'last' has no communication on which to keep the state replicated.")
         if self.accum_steps > 1 and accum_sync == "every":
             self.optimizer = optax.MultiSteps(self.optimizer, every_k_schedule=self.accum_steps).gradient_transformation()
         # Steps allowed in flight before __call__ waits for the oldest (None: unbounded). On CPU
@@ -78,10 +81,11 @@ class TrainStep:
         stacked = backend == "pmap"
         rep, split = replicated(self.mesh), batch_sharded(self.mesh)
         self._state_shardings = split if stacked else TrainState(
-            step=rep, micro_step=rep, params=rep, opt_state=rep, rng=rep, accum=split if self.local_accum else None)
+            step=rep, micro_step=rep, params=rep, opt_state=rep, model_state=rep, rng=rep,
+            accum=split if self.local_accum else None)
         self._init = jax.jit(partial(self._init_state, stacked=stacked), out_shardings=self._state_shardings)
         if backend == "shard_map":
-            state_specs = TrainState(step=P(), micro_step=P(), params=P(), opt_state=P(), rng=P(),
+            state_specs = TrainState(step=P(), micro_step=P(), params=P(), opt_state=P(), model_state=P(), rng=P(),
                                      accum=P(DATA_AXIS) if self.local_accum else None)
             mapped = jax.shard_map(self._device_step, mesh=self.mesh, in_specs=(state_specs, P(DATA_AXIS)),
                                    out_specs=(state_specs, P()), check_vma=True)
@@ -100,16 +104,23 @@ class TrainStep:
             # sum the gradient over devices itself (and pmean becomes the identity). Cast them to
             # per-device values outside the loss so grad returns this device's own gradient.
             params = lax.pcast(params, DATA_AXIS, to="varying")
-        args = (batch, device_key(state.rng, state.micro_step)) if self.needs_rng else (batch,)
+        key = device_key(state.rng, state.micro_step)
         updates_now = (state.micro_step + 1) % self.accum_steps == 0
+        b = _batch_size(batch)  # this device's examples per call (static under tracing)
+        examples = self._real_examples(batch, b)
 
         # 1. grad: the mean loss over this device's b examples, and its gradient.
-        (loss, aux), grads = jax.value_and_grad(self._loss_and_aux, has_aux=True)(params, *args)
+        (loss, (aux, model_state)), grads = jax.value_and_grad(self._loss_and_extras, has_aux=True)(
+            params, state.model_state, batch, key)
         if self.local_accum:
-            params, opt_state, accum, metrics = self._accumulate_then_update(state, grads, loss, aux, updates_now)
+            params, opt_state, accum, metrics = self._accumulate_then_update(
+                state, grads, loss, aux, examples, b, updates_now)
         else:
-            # 2. reduce: over N devices -> the gradient of the mean loss over all N·b examples.
-            grads, loss, aux = reduce_step_values(grads, loss, aux, self.reduction)
+            # 2. reduce: over N devices -> the gradient of the mean loss over all N·b examples
+            #    (gradient, metrics, model state and example count in one all-reduce).
+            grads, (loss, aux, model_state, examples) = reduce_step_values(
+                grads, (loss, aux, model_state, examples), self.reduction)
+            grads, loss, aux = self._over_real_examples((grads, loss, aux), examples, b)
             # 3. accumulate + update: MultiSteps (accum_steps > 1) averages the M reduced
             #    gradients and applies them on the M-th call; otherwise every call updates.
             updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
@@ -117,22 +128,24 @@ class TrainStep:
             metrics = self._metrics(loss, grads, aux)
 
         new_state = state.replace(step=state.step + updates_now.astype(jnp.int32), micro_step=state.micro_step + 1,
-                                  params=params, opt_state=opt_state, accum=accum)
+                                  params=params, opt_state=opt_state, model_state=model_state, accum=accum)
         metrics.update(updated=updates_now, step=new_state.step, micro_step=new_state.micro_step)
         return new_state, metrics
 
-    def _accumulate_then_update(self, state, grads, loss, aux, updates_now):
+    def _accumulate_then_update(self, state, grads, loss, aux, examples, b, updates_now):
         """accum_sync="last": sum locally; on the M-th call reduce once and apply the update."""
         m = self.accum_steps
         acc = self._local_view(state.accum)
         # 2. accumulate: this device's running sums, no communication.
-        acc = jax.tree.map(jnp.add, acc, LocalAccum(grads, loss, aux))
+        acc = jax.tree.map(jnp.add, acc, LocalAccum(grads, loss, aux, examples))
 
         def update(acc):
             # 3. reduce, once per optimizer step: (1/M)·Σ over micro-steps, then the mean over N
             #    devices = 1/(D·M) of the sum of all D·M micro-batch gradients (seed 002).
             mean_acc = jax.tree.map(lambda x: x / m, acc)
-            g, lo, au = reduce_step_values(mean_acc.grads, mean_acc.loss, mean_acc.aux, self.reduction)
+            g, (lo, au, ex) = reduce_step_values(mean_acc.grads, (mean_acc.loss, mean_acc.aux, mean_acc.examples),
+                                                 self.reduction)
+            g, lo, au = self._over_real_examples((g, lo, au), ex, b)
             # 4. update.
             updates, opt_state = self.optimizer.update(g, state.opt_state, state.params)
             emptied = jax.tree.map(lambda x: x - x, acc)  # zeros that stay per-device values
@@ -153,13 +166,37 @@ class TrainStep:
     def _global_view(self, accum):
         return jax.tree.map(lambda x: x[None], accum) if self.backend == "shard_map" else accum
 
-    def _loss_and_aux(self, params, *args):
-        out = self.loss_fn(params, *args)
-        if not self.has_aux:
-            return out, {}
+    def _loss_and_extras(self, params, model_state, batch, key):
+        """Call loss_fn as declared; always returns (loss, (aux, new_model_state))."""
+        args = (params, *((model_state,) if self.has_state else ()), batch, *((key,) if self.needs_rng else ()))
+        out = self.loss_fn(*args)
+        if not (self.has_aux or self.has_state):
+            return out, ({}, model_state)
+        wanted = ("(loss, (aux, new_model_state))" if self.has_aux and self.has_state
+                  else "(loss, aux)" if self.has_aux else "(loss, new_model_state)")
         if not (isinstance(out, tuple) and len(out) == 2):
-            raise ValueError(f"has_aux=True needs loss_fn to return (loss, aux), got {type(out).__name__}.")
-        return out
+            raise ValueError(f"loss_fn must return {wanted}, got {type(out).__name__}.")
+        loss, extras = out
+        if self.has_aux and self.has_state:
+            if not (isinstance(extras, tuple) and len(extras) == 2):
+                raise ValueError(f"loss_fn must return {wanted}.")
+            return loss, extras
+        return loss, (extras, model_state) if self.has_aux else ({}, extras)
+
+    def _real_examples(self, batch, b: int) -> jax.Array:
+        """This device's count of real examples: the mask's sum, or b without a mask."""
+        mask = batch.get(self.mask_key) if isinstance(batch, dict) and self.mask_key else None
+        return jnp.sum(mask, dtype=jnp.float32) if mask is not None else jnp.float32(b)
+
+    def _over_real_examples(self, values, mean_examples, slots_per_call):
+        """Rescale means over all slots to means over the real (unmasked) examples.
+
+        A masked loss is `sum(mask · l) / b` per device, so the reduced mean is Σ(mask · l) / (N·b);
+        multiplying by b / mean(real count per device) = N·b / R gives Σ(mask · l) / R. Without a
+        mask the count is b and the factor is exactly 1.
+        """
+        scale = jnp.float32(slots_per_call) / mean_examples  # accumulated counts arrive divided by M
+        return jax.tree.map(lambda x: (x * scale).astype(x.dtype), values)
 
     def _metrics(self, loss, grads, aux):
         """Global metrics from reduced values: means over all the examples the gradient covers."""
@@ -171,21 +208,23 @@ class TrainStep:
         return metrics
 
     # Host side: placing state and batches, calling the compiled step.
-    def _init_state(self, params, key, aux_zeros, *, stacked: bool) -> TrainState:
+    def _init_state(self, params, model_state, key, aux_zeros, *, stacked: bool) -> TrainState:
         zero = jnp.zeros((), jnp.int32)
         accum = None
         if self.local_accum:
             per_device = LocalAccum(grads=jax.tree.map(jnp.zeros_like, params), loss=jnp.zeros((), jnp.float32),
-                                    aux=aux_zeros)
+                                    aux=aux_zeros, examples=jnp.zeros((), jnp.float32))
             accum = jax.tree.map(lambda x: jnp.zeros((self.num_devices, *x.shape), x.dtype), per_device)
         state = TrainState(step=zero, micro_step=zero, params=params, opt_state=self.optimizer.init(params),
-                           rng=key, accum=None)
+                           model_state=model_state, rng=key, accum=None)
         if stacked:
             state = jax.tree.map(lambda x: jnp.broadcast_to(x, (self.num_devices, *x.shape)), state)
         return state.replace(accum=accum, stacked=stacked)
 
-    def init(self, params, *, seed: int = 0, example_batch=None) -> TrainState:
+    def init(self, params, model_state=(), *, seed: int = 0, example_batch=None) -> TrainState:
         """The initial state: `params` (a pytree of arrays, the same on every host) on every device.
+
+        `model_state` (has_state=True) is the model's non-parameter state, e.g. BatchNorm statistics.
 
         `seed` fixes the base RNG key from which per-micro-step, per-device keys are derived.
         `example_batch` (a global micro-batch) is needed only with accum_sync="last" and
@@ -199,14 +238,16 @@ class TrainStep:
                 raise ValueError("accum_sync='last' with has_aux=True needs step.init(params, example_batch=batch) "
                                  "to size the per-device aux accumulator.")
             aux_zeros = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), self._aux_shapes(params, example_batch))
-        return self._init(params, jax.random.key_data(jax.random.key(seed)), aux_zeros)
+        if self.has_state == (not jax.tree.leaves(model_state)):
+            raise ValueError("pass model_state to step.init exactly when the step was made with has_state=True "
+                             f"(has_state={self.has_state}, model_state has {len(jax.tree.leaves(model_state))} leaves).")
+        return self._init(params, model_state, jax.random.key_data(jax.random.key(seed)), aux_zeros)
 
     def _aux_shapes(self, params, batch):
         n = self.num_devices
         local = jax.tree.map(lambda x: jax.ShapeDtypeStruct((np.shape(x)[0] // n, *np.shape(x)[1:]),
                                                             jnp.asarray(x[:1]).dtype), batch)
-        args = (local, jax.ShapeDtypeStruct((2,), jnp.uint32)) if self.needs_rng else (local,)
-        return jax.eval_shape(self._loss_and_aux, params, *args)[1]
+        return jax.eval_shape(self._loss_and_extras, params, (), local, jax.ShapeDtypeStruct((2,), jnp.uint32))[1][0]
 
     def shard_batch(self, batch):
         """Validate a global (micro-)batch (leading axis N·b on every leaf) and place it on the devices."""
@@ -304,7 +345,8 @@ def _corrected_optimizer(optimizer, lr_correction: str, n: int) -> optax.Gradien
 def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation | OptimizerSpec, *,
                     backend: str = "shard_map", reduction: str = "mean", lr_correction: str | None = None,
                     devices: Sequence[jax.Device] | None = None, has_aux: bool = False,
-                    needs_rng: bool = False, accum_steps: int = 1, accum_sync: str = "every") -> TrainStep:
+                    needs_rng: bool = False, has_state: bool = False, mask_key: str | None = "mask",
+                    accum_steps: int = 1, accum_sync: str = "every") -> TrainStep:
     """Build a data-parallel training step.
 
     Args:
@@ -321,7 +363,14 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation |
         instead (`jdp.optim.exact_sum_spec`), which makes sum equal mean for every spec.
       devices: the devices to use, default all of them.
       has_aux: `loss_fn` returns `(loss, aux)`.
-      needs_rng: `loss_fn` takes a third argument, a key derived from (seed, micro-step, device).
+      needs_rng: `loss_fn` takes a last argument, a key derived from (seed, micro-step, device).
+      has_state: the model has non-parameter state (BatchNorm statistics):
+        `loss_fn(params, model_state, batch[, rng]) -> (loss, new_model_state)`, or with has_aux
+        `(loss, (aux, new_model_state))`. The new state is averaged over devices each call (a
+        no-op for synchronised BatchNorm, whose statistics already agree).
+      mask_key: a batch entry of 1/0 weights marking real/padded examples. When present, loss_fn
+        must return `sum(mask · per-example loss) / b` and jdp rescales so that loss, gradient
+        and aux are means over the real examples only (exact for accum_steps=1 and "last").
       accum_steps: M, the micro-batches per optimizer step. Each call takes one micro-batch; the
         params change on every M-th call, by the step one device would take on all M·N·b examples.
       accum_sync: "every" (optax.MultiSteps; an all-reduce on every call) or "last" (local sums;
@@ -332,7 +381,8 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation |
       batch's leading axis is the GLOBAL batch N·b, split evenly over the N devices.
     """
     return TrainStep(loss_fn, optimizer, backend=backend, reduction=reduction, lr_correction=lr_correction,
-                     devices=devices, has_aux=has_aux, needs_rng=needs_rng, accum_steps=accum_steps,
+                     devices=devices, has_aux=has_aux, needs_rng=needs_rng, has_state=has_state,
+                     mask_key=mask_key, accum_steps=accum_steps,
                      accum_sync=accum_sync)
 
 

@@ -1,0 +1,74 @@
+"""Model state carried through the step, and padded batches whose mask keeps means exact."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jdp
+from helpers import batches, max_abs_diff, mlp_logits, mlp_loss, mlp_params, reference_run
+
+BACKENDS = ["shard_map", "pmap"]
+
+
+def masked_loss(params, batch):
+    """sum(mask · l) / b: the contract for padded batches."""
+    logits = mlp_logits(params, batch["x"])
+    per_example = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+    return jnp.sum(batch["mask"] * per_example) / per_example.shape[0]
+
+
+def padded(batch, real):
+    """The batch with rows from `real` on replaced by garbage and masked out."""
+    x, y = batch["x"].copy(), batch["y"].copy()
+    x[real:] = 1e3
+    y[real:] = 0
+    mask = (np.arange(len(y)) < real).astype(np.float32)
+    return {"x": x, "y": y, "mask": mask}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("m,sync", [(1, "every"), (2, "last")])
+def test_padded_batch_equals_its_real_examples(backend, m, sync):
+    (full,) = batches(1, 16, seed=4)
+    real = 11  # the last 5 rows are padding: two devices see only padding or a partial shard
+    ref, ref_losses = reference_run(mlp_loss, optax.sgd(0.1), mlp_params(),
+                                    [{"x": full["x"][:real], "y": full["y"][:real]}])
+    step = jdp.make_train_step(masked_loss, optax.sgd(0.1), backend=backend, devices=jax.devices()[:4],
+                               accum_steps=m, accum_sync=sync)
+    state = step.init(mlp_params())
+    for micro in step.micro_batches(padded(full, real)):
+        state, metrics = step(state, micro)
+    assert max_abs_diff(jdp.get_params(state), ref) <= 1e-6
+    np.testing.assert_allclose(metrics["loss"], ref_losses[0], rtol=1e-6)
+
+
+def running_mean_loss(params, model_state, batch):
+    """A loss with BatchNorm-like state: an exponential running mean of the inputs."""
+    new_state = {"mean": 0.9 * model_state["mean"] + 0.1 * batch["x"].mean(axis=0)}
+    return mlp_loss(params, batch), new_state
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_model_state_is_carried_and_averaged(backend):
+    data = batches(3, 16, seed=6)
+    step = jdp.make_train_step(running_mean_loss, optax.adam(1e-2), backend=backend, devices=jax.devices()[:4],
+                               has_state=True)
+    state = step.init(mlp_params(), {"mean": np.zeros(12, np.float32)})
+    for batch in data:
+        state, _ = step(state, batch)
+    want = np.zeros(12)
+    for batch in data:
+        want = 0.9 * want + 0.1 * batch["x"].mean(axis=0)
+    np.testing.assert_allclose(jdp.get_tree(state, state.model_state)["mean"], want, rtol=1e-5, atol=1e-7)
+    ref, _ = reference_run(mlp_loss, optax.adam(1e-2), mlp_params(), data)
+    assert max_abs_diff(jdp.get_params(state), ref) <= 2e-5
+    jdp.check_replicas(state)
+
+
+def test_model_state_contract_is_checked():
+    step = jdp.make_train_step(running_mean_loss, optax.sgd(0.1), has_state=True)
+    with pytest.raises(ValueError, match="pass model_state to step.init exactly when"):
+        step.init(mlp_params())
+    with pytest.raises(ValueError, match="has_state=True .* needs accum_sync='every'"):
+        jdp.make_train_step(running_mean_loss, optax.sgd(0.1), has_state=True, accum_steps=2, accum_sync="last")
