@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jdp.data import make_batches
 from jdp.models import functional
 from jdp.step import get_params, make_train_step
 
@@ -23,18 +24,6 @@ class TrainResult:
     steps: int
     seconds: float  # wall time of the loop, compilation included
     params: object  # host numpy params
-
-
-def epoch_batches(n_examples: int, batch_size: int, seed: int):
-    """Endless global-batch index arrays: a new permutation each epoch, the tail dropped."""
-    if batch_size > n_examples:
-        raise ValueError(f"batch_size={batch_size} exceeds the {n_examples} training examples.")
-    epoch = 0
-    while True:
-        order = np.random.default_rng([seed, epoch]).permutation(n_examples)
-        for start in range(0, n_examples - batch_size + 1, batch_size):
-            yield order[start:start + batch_size]
-        epoch += 1
 
 
 def train_classifier(model, data, optimizer: optax.GradientTransformation, *, steps: int, batch_size: int,
@@ -53,11 +42,10 @@ def train_classifier(model, data, optimizer: optax.GradientTransformation, *, st
 
     step = make_train_step(loss_fn, optimizer, backend=backend, devices=devices, has_aux=True)
     state = step.init(fm.params, seed=seed)
-    order = epoch_batches(len(x_train), batch_size, seed)
+    batches = make_batches({"x": x_train, "y": y_train}, batch_size, seed=seed)
     t0 = time.perf_counter()
     for i in range(1, steps + 1):
-        idx = next(order)
-        state, metrics = step(state, {"x": x_train[idx], "y": y_train[idx]})
+        state, metrics = step(state, next(batches))
         if i % log_every == 0 or i == steps:  # the only host syncs: at log steps
             m = jax.device_get(metrics)
             log(f"step {i:5d}  loss {m['loss']:.4f}  train acc {m['aux']['accuracy']:.3f}  "

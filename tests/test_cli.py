@@ -25,7 +25,7 @@ def test_train_runs_and_learns():
     (["train", "--backend", "tpu"], "argument --backend: invalid choice: 'tpu'"),
     (["train", "--devices", "3", "--batch-size", "128"],
      "global batch size 128 does not divide evenly across 3 devices"),
-    (["train", "--devices", "2", "--batch-size", "4000"], "batch_size=4000 exceeds the 1438 training examples"),
+    (["train", "--devices", "2", "--batch-size", "4000"], "the dataset has 1438 examples, fewer than one global batch of 4000"),
 ])
 def test_bad_input_exits_2_without_traceback(args, message):
     r = run_jdp(*args)
