@@ -238,9 +238,9 @@ class TrainStep:
                 raise ValueError("accum_sync='last' with has_aux=True needs step.init(params, example_batch=batch) "
                                  "to size the per-device aux accumulator.")
             aux_zeros = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), self._aux_shapes(params, example_batch))
-        if self.has_state == (not jax.tree.leaves(model_state)):
-            raise ValueError("pass model_state to step.init exactly when the step was made with has_state=True "
-                             f"(has_state={self.has_state}, model_state has {len(jax.tree.leaves(model_state))} leaves).")
+        if jax.tree.leaves(model_state) and not self.has_state:
+            raise ValueError("model_state was given but the step was made without has_state=True, so loss_fn "
+                             "would never see or update it.")
         return self._init(params, model_state, jax.random.key_data(jax.random.key(seed)), aux_zeros)
 
     def _aux_shapes(self, params, batch):

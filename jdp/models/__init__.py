@@ -1,5 +1,39 @@
-"""Flax NNX models, and the bridge from an `nnx.Module` to jdp's `(params, loss_fn)` form."""
-from jdp.models.mlp import MLP
-from jdp.models.nnx_bridge import FunctionalModel, functional
+"""Flax NNX models, and the bridge from an `nnx.Module` to jdp's `(params, loss_fn)` form.
 
-__all__ = ["MLP", "FunctionalModel", "functional"]
+Models: `MLP`, `CNN` (BatchNorm; `sync_batchnorm=True` for global-batch statistics under
+shard_map/pmap), `GPT` (dropout keys passed at call time).
+
+Pure-function use. Split once, outside the step:
+
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+`params` (the `nnx.Param` leaves) is what jdp differentiates and updates; `rest` is every other
+variable, e.g. the CNN's BatchNorm running averages (`nnx.BatchStat`). Inside the step, a stateful
+call merges a fresh copy, runs it, and splits it again to read the state it wrote:
+
+    # CNN, train: batch statistics; new_rest holds the updated running averages.
+    logits, new_rest = apply_with_state(graphdef, params, rest, x, train=True)
+    # CNN, eval: running averages from rest; new_rest equals rest.
+    logits, _ = apply_with_state(graphdef, params, rest, x, train=False)
+    # GPT, train: dropout masks from the key given here (rest is empty for GPT).
+    logits, _ = apply_with_state(graphdef, params, rest, tokens, train=True, rngs=nnx.Rngs(dropout=key))
+
+`new_rest` has the same structure as `rest`, so it can be carried in the train state and passed
+to the next step; `params` never changes inside `apply_with_state`. Under `jax.grad`, return it
+as auxiliary output: `loss_fn(params, rest, batch) -> (loss, new_rest)` with `has_aux=True`.
+"""
+import jax
+from flax import nnx
+
+from jdp.models.cnn import CNN
+from jdp.models.gpt import GPT
+from jdp.models.mlp import MLP
+from jdp.models.nnx_bridge import FunctionalModel, apply_with_state, functional
+
+
+def param_count(model: nnx.Module) -> int:
+    """The number of scalar parameters: elements of every `nnx.Param` (not BatchNorm statistics)."""
+    return sum(int(x.size) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+__all__ = ["CNN", "GPT", "MLP", "FunctionalModel", "apply_with_state", "functional", "param_count"]

@@ -15,7 +15,9 @@ class MLP(nnx.Module):
             raise ValueError(f"sizes={list(sizes)} must list at least two positive layer widths.")
         self.layers = nnx.List([nnx.Linear(a, b, rngs=rngs) for a, b in zip(sizes[:-1], sizes[1:])])
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, *, train: bool = True) -> jax.Array:
+        """(batch, ...) -> (batch, sizes[-1]); `train` is accepted for the models' common interface."""
+        del train  # no dropout or normalisation: train and eval are the same function
         x = x.reshape(x.shape[0], -1)
         for i, layer in enumerate(self.layers):
             x = layer(x)
