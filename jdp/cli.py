@@ -15,16 +15,6 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{value} must be positive")
-    return value
-
-
 def _device_list(text: str) -> tuple[int, ...]:
     try:
         values = tuple(int(v) for v in text.split(","))
@@ -40,18 +30,28 @@ def build_parser() -> argparse.ArgumentParser:
         prog="jdp", description="jdp: a small, exact JAX data-parallel trainer. N devices average their "
         "gradients and take exactly the step one device takes on the global batch.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    train = sub.add_parser("train", help="train the default model (an MLP on scikit-learn's digits)",
-                           description="Train an MLP on scikit-learn's bundled digits (no download) with "
-                           "data parallelism over N devices; on a CPU-only machine N fake devices.")
-    train.add_argument("--devices", type=_positive_int, default=None,
-                       help="number of devices; on a CPU-only machine, fake CPU devices (default: 4 on CPU, "
-                       "all accelerators otherwise)")
-    train.add_argument("--backend", choices=("shard_map", "pmap"), default="shard_map")
-    train.add_argument("--steps", type=_positive_int, default=300, help="optimizer steps (default 300)")
-    train.add_argument("--batch-size", type=_positive_int, default=128, help="GLOBAL batch size (default 128)")
-    train.add_argument("--lr", type=_positive_float, default=3e-3, help="Adam learning rate (default 3e-3)")
-    train.add_argument("--seed", type=int, default=0)
-    train.add_argument("--log-every", type=_positive_int, default=50)
+    train = sub.add_parser(
+        "train", help="train a config (default: an MLP on scikit-learn's digits)",
+        description="Train CONFIG (a YAML file from configs/, default: an MLP on scikit-learn's bundled digits) "
+        "with data parallelism over N devices; on a CPU-only machine, N fake CPU devices. Writes metrics.jsonl and "
+        "orbax checkpoints to --workdir; running the same command again resumes from the newest checkpoint.")
+    train.add_argument("config", nargs="?", help="YAML config (default: the built-in digits MLP)")
+    train.add_argument("--workdir", help="run directory (default: runs/<config name>)")
+    train.add_argument("--devices", type=_positive_int, help="number of devices; on a CPU-only machine, fake CPU "
+                       "devices (default: the config's parallel.devices, else 4 on CPU, all accelerators otherwise)")
+    train.add_argument("--steps", type=_positive_int, help="total optimizer steps (train.steps)")
+    train.add_argument("--log-every", type=_positive_int, help="log every K steps (train.log_every)")
+    train.add_argument("--checkpoint-every", type=_positive_int, help="checkpoint every K steps (train.checkpoint_every)")
+    train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a config value, e.g. --set optim.lr=3e-4 --set data.batch_size=512")
+    train.add_argument("--stop-after", type=_positive_int, metavar="N",
+                       help="stop (with a checkpoint) after N optimizer steps of this invocation; rerun to continue")
+    train.add_argument("--no-progress", action="store_true", help="log lines instead of a progress bar")
+
+    plot = sub.add_parser("plot", help="save a PNG of a run's loss and accuracy curves",
+                          description="Read DIR/metrics.jsonl and write DIR/curves.png (or --out).")
+    plot.add_argument("workdir", metavar="DIR")
+    plot.add_argument("--out", metavar="FILE.png")
 
     explain = sub.add_parser("explain", help="show, with numbers, why jdp averages gradients instead of summing",
                              description="Run jdp's step on 8 fake CPU devices and print: the seed examples "
@@ -80,20 +80,40 @@ def _devices(requested: int | None):
 
 
 def cmd_train(args) -> int:
-    import optax
-    from flax import nnx
+    import os
 
-    from jdp.data import load_digits
-    from jdp.models import MLP
-    from jdp.train import train_classifier
+    from jdp.config import load_config
 
-    devices = _devices(args.devices)
-    data = load_digits()
-    model = MLP([64, 128, 10], rngs=nnx.Rngs(args.seed))
-    result = train_classifier(model, data, optax.adam(args.lr), steps=args.steps, batch_size=args.batch_size,
-                              devices=devices, backend=args.backend, seed=args.seed, log_every=args.log_every)
-    print(f"test accuracy {result.test_accuracy:.4f} on {len(data[3])} held-out digits after {result.steps} "
-          f"steps ({result.seconds:.1f} s)")
+    flags = {"parallel.devices": args.devices, "train.steps": args.steps, "train.log_every": args.log_every,
+             "train.checkpoint_every": args.checkpoint_every}
+    overrides = [*args.set, *(f"{k}={v}" for k, v in flags.items() if v is not None)]
+    config = load_config(args.config, overrides)  # fails on a bad config before any device is set up
+    devices = _devices(config.parallel.devices)
+
+    import jax
+    import numpy as np
+
+    from jdp.train import train
+
+    name = os.path.splitext(os.path.basename(args.config))[0] if args.config else "digits_mlp"
+    workdir = args.workdir or os.path.join("runs", name)
+    result = train(config, workdir, devices=devices, progress=not args.no_progress, stop_after=args.stop_after)
+    evals = "  ".join(f"{k} {v:.4f}" for k, v in result.eval.items())
+    print(f"{'stopped' if result.steps < config.train.steps else 'done'} at step {result.steps} of "
+          f"{config.train.steps} in {result.seconds:.1f} s" + (f"; held-out {evals}" if evals else "")
+          + f"; workdir {workdir}")
+    leaves = jax.tree_util.tree_leaves_with_path(result.params)
+    if sum(np.size(v) for _, v in leaves) <= 8:  # tiny models (the seed examples): show the params
+        print("params: " + ", ".join(f"{jax.tree_util.keystr(k)} = {np.round(np.asarray(v, np.float64), 6).tolist()}" for k, v in leaves))
+    return 0
+
+
+def cmd_plot(args) -> int:
+    from jdp.train import plot_metrics
+
+    if args.out and not args.out.lower().endswith(".png"):
+        raise ValueError(f"--out {args.out!r} must name a .png file.")
+    print(f"saved {plot_metrics(args.workdir, args.out)}")
     return 0
 
 
@@ -121,7 +141,7 @@ def cmd_explain(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {"train": cmd_train, "explain": cmd_explain}[args.command](args)
+        return {"train": cmd_train, "explain": cmd_explain, "plot": cmd_plot}[args.command](args)
     except ValueError as e:  # bad input: one sentence, exit code 2, no traceback
         print(f"jdp: error: {e}", file=sys.stderr)
         return 2

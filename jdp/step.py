@@ -66,9 +66,6 @@ class TrainStep:
         self.optimizer = _corrected_optimizer(optimizer, self.lr_correction, self.num_devices)
         # With accum_sync="last", gradients wait in per-device sums until the M-th call.
         self.local_accum = self.accum_steps > 1 and accum_sync == "last"
-        if self.local_accum and has_state:
-            raise ValueError("has_state=True (e.g. BatchNorm statistics) needs accum_sync='every' when "
-                             "accum_steps > 1: 'last' has no communication on which to keep the state replicated.")
         if self.accum_steps > 1 and accum_sync == "every":
             self.optimizer = optax.MultiSteps(self.optimizer, every_k_schedule=self.accum_steps).gradient_transformation()
         # Steps allowed in flight before __call__ waits for the oldest (None: unbounded). On CPU
@@ -115,6 +112,7 @@ class TrainStep:
         if self.local_accum:
             params, opt_state, accum, metrics = self._accumulate_then_update(
                 state, grads, loss, aux, examples, b, updates_now)
+            model_state = state.model_state  # empty: init refuses model state with accum_sync="last"
         else:
             # 2. reduce: over N devices -> the gradient of the mean loss over all N·b examples
             #    (gradient, metrics, model state and example count in one all-reduce).
@@ -237,17 +235,22 @@ class TrainStep:
             if example_batch is None:
                 raise ValueError("accum_sync='last' with has_aux=True needs step.init(params, example_batch=batch) "
                                  "to size the per-device aux accumulator.")
-            aux_zeros = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), self._aux_shapes(params, example_batch))
+            aux_zeros = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype),
+                                     self._aux_shapes(params, model_state, example_batch))
+        if jax.tree.leaves(model_state) and self.local_accum:
+            raise ValueError("a model with state (e.g. BatchNorm statistics) needs accum_sync='every' when "
+                             "accum_steps > 1: 'last' has no communication on which to keep the state replicated.")
         if jax.tree.leaves(model_state) and not self.has_state:
             raise ValueError("model_state was given but the step was made without has_state=True, so loss_fn "
                              "would never see or update it.")
         return self._init(params, model_state, jax.random.key_data(jax.random.key(seed)), aux_zeros)
 
-    def _aux_shapes(self, params, batch):
+    def _aux_shapes(self, params, model_state, batch):
         n = self.num_devices
         local = jax.tree.map(lambda x: jax.ShapeDtypeStruct((np.shape(x)[0] // n, *np.shape(x)[1:]),
                                                             jnp.asarray(x[:1]).dtype), batch)
-        return jax.eval_shape(self._loss_and_extras, params, (), local, jax.ShapeDtypeStruct((2,), jnp.uint32))[1][0]
+        key = jax.ShapeDtypeStruct((2,), jnp.uint32)
+        return jax.eval_shape(self._loss_and_extras, params, model_state, local, key)[1][0]
 
     def shard_batch(self, batch):
         """Validate a global (micro-)batch (leading axis N·b on every leaf) and place it on the devices."""
@@ -296,6 +299,30 @@ class TrainStep:
         if self.backend == "pmap":
             metrics = jax.tree.map(lambda m: m[0], metrics)
         return state, metrics
+
+    def canonical(self, state: TrainState) -> TrainState:
+        """One device-count-independent copy of `state` (pmap's stacking undone, accumulator dropped).
+
+        This is what checkpoints hold; take it at an optimizer-step boundary, where the
+        accumulator of accum_sync="last" is empty.
+        """
+        self._check_state(state)
+        state = state.replace(accum=None)
+        if state.stacked:
+            state = jax.tree.map(lambda x: x[0], state).replace(stacked=False)
+        return state
+
+    def place(self, canonical: TrainState, like: TrainState) -> TrainState:
+        """Put a `canonical` state into this step's layout; `like` (from `init`) gives the accumulator."""
+        self._check_state(like)
+
+        def build(canonical, like):
+            state = canonical
+            if like.stacked:
+                state = jax.tree.map(lambda x: jnp.broadcast_to(x, (self.num_devices, *x.shape)), state)
+            return state.replace(accum=like.accum, stacked=like.stacked)
+
+        return jax.jit(build, out_shardings=self._state_shardings)(canonical, like)
 
     def lower(self, state: TrainState, batch) -> jax.stages.Lowered:
         """The lowered step for this state and batch (e.g. `.compile().as_text()` to read the HLO)."""

@@ -1,57 +1,195 @@
-"""The training loop: data -> step -> evaluation -> logging, in one readable function."""
+"""The training loop: data -> step -> logging -> evaluation -> checkpoint, in one readable function."""
 from __future__ import annotations
 
+import json
+import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 
+from jdp.checkpoint import Checkpointer
+from jdp.config import Config, build_optimizer, run_identity, validate
 from jdp.data import make_batches
-from jdp.models import functional
+from jdp.evaluate import evaluate, make_eval_step
 from jdp.step import get_params, make_train_step
+from jdp.tasks import build_task
+
+# Peak dense bf16 FLOP/s per device, for MFU; devices not listed get achieved FLOP/s only.
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
 
 
 @dataclass(frozen=True)
 class TrainResult:
-    """What a finished run reports."""
+    """What a finished (or stopped) run reports."""
 
-    final_loss: float  # training loss (global-batch mean) of the last step
-    test_accuracy: float  # accuracy over the whole test set
-    steps: int
-    seconds: float  # wall time of the loop, compilation included
+    steps: int  # optimizer steps completed, including those of earlier runs resumed from
+    resumed_from: int | None  # the checkpoint step this run started from, if any
+    final_loss: float | None  # training loss (global-batch mean) of the last step of this run
+    eval: dict  # metrics over the whole held-out set after the last step ({} without one)
+    seconds: float  # wall time of this run's loop, compilation included
     params: object  # host numpy params
 
 
-def train_classifier(model, data, optimizer: optax.GradientTransformation, *, steps: int, batch_size: int,
-                     devices=None, backend: str = "shard_map", seed: int = 0, log_every: int = 50,
-                     log: Callable[[str], None] = print) -> TrainResult:
-    """Train an `nnx.Module` classifier on `(x_train, y_train, x_test, y_test)` with softmax cross-entropy."""
-    if steps < 1:
-        raise ValueError(f"steps={steps} must be at least 1.")
-    x_train, y_train, x_test, y_test = data
-    fm = functional(model)
+def peak_flops(device) -> float | None:
+    kind = getattr(device, "device_kind", "")
+    return next((v for k, v in PEAK_FLOPS.items() if k in kind), None)
 
-    def loss_fn(params, batch):
-        logits = fm.apply(params, batch["x"])
-        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-        return loss, {"accuracy": (logits.argmax(-1) == batch["y"]).mean()}
 
-    step = make_train_step(loss_fn, optimizer, backend=backend, devices=devices, has_aux=True)
-    state = step.init(fm.params, seed=seed)
-    batches = make_batches({"x": x_train, "y": y_train}, batch_size, seed=seed)
+def _progress(enabled: bool, total: int, start: int):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
+                   TimeRemainingColumn(), disable=not enabled)
+    return bar, bar.add_task("", total=total, completed=start)
+
+
+def train(config: Config, workdir: str, *, devices=None, log=print, progress: bool = True,
+          stop_after: int | None = None) -> TrainResult:
+    """Train `config` in `workdir`, resuming from its newest checkpoint if there is one.
+
+    Writes `workdir/metrics.jsonl` (one JSON object per logged step) and orbax checkpoints under
+    `workdir/checkpoints`. `stop_after` ends this run, with a checkpoint, after that many optimizer
+    steps (re-running continues bit-exactly). Raises ValueError for an invalid config or a
+    checkpoint written by a different run, before anything is written.
+    """
+    # Setup: devices, task, step, data, checkpoints.
+    devices = list(devices or jax.devices())
+    if config.parallel.devices:
+        devices = devices[:config.parallel.devices]
+    validate(config, len(devices))
+    if os.path.exists(workdir) and not os.path.isdir(workdir):
+        raise ValueError(f"--workdir {workdir!r} exists and is not a directory.")
+    p, t = config.parallel, config.train
+    task = build_task(config)
+    optimizer, lr_at, lr_correction = build_optimizer(config, len(devices))
+    step = make_train_step(task.loss_fn, optimizer, backend=p.backend, reduction=p.reduction,
+                           lr_correction=lr_correction, devices=devices, has_aux=True, needs_rng=True,
+                           has_state=True, accum_steps=p.accum_steps, accum_sync=p.accum_sync)
+    batches = make_batches(task.train, config.data.batch_size, seed=t.seed, drop_last=config.data.drop_last,
+                           process_index=jax.process_index(), num_processes=jax.process_count())
+    micro = config.data.batch_size // p.accum_steps  # an example micro-batch sizes the aux accumulator
+    state = step.init(task.params, task.model_state, seed=t.seed,
+                      example_batch={k: v[:micro] for k, v in task.train.arrays.items()})
+    run = {"identity": run_identity(config), "config": config.to_dict(), "devices": len(devices)}
+    checkpoints = Checkpointer(os.path.join(workdir, "checkpoints"), keep=t.keep_checkpoints)
+    eval_step = make_eval_step(task.metric_fn, step.mesh) if task.test is not None else None
+
+    # Resume: the newest complete checkpoint, if any (refused, untouched, if from another run).
+    start = resumed_from = None
+    if checkpoints.latest_step() is not None:
+        state, data_state, resumed_from = checkpoints.restore(step, state, run)
+        batches.set_state(data_state)
+        log(f"resumed from step {resumed_from} in {checkpoints.directory}")
+    start = resumed_from or 0
+    end = t.steps if stop_after is None else min(t.steps, start + stop_after)
+    os.makedirs(workdir, exist_ok=True)
+    metrics_file = open(os.path.join(workdir, "metrics.jsonl"), "a")
+    log(f"{task.description}: {start} -> {end} of {t.steps} steps on {len(devices)} {devices[0].platform} "
+        f"device(s), global batch {config.data.batch_size} = {p.accum_steps} × {len(devices)} × "
+        f"{config.data.batch_size // (p.accum_steps * len(devices))}, {p.backend}, reduction {p.reduction}")
+
+    # The loop. The only host syncs are at log and eval steps.
+    bar, bar_task = _progress(progress, t.steps, start)
+    flops_per_step = peak = None
+    last_log_time, last_log_step, final_loss, eval_metrics = time.perf_counter(), start, None, {}
     t0 = time.perf_counter()
-    for i in range(1, steps + 1):
-        state, metrics = step(state, next(batches))
-        if i % log_every == 0 or i == steps:  # the only host syncs: at log steps
-            m = jax.device_get(metrics)
-            log(f"step {i:5d}  loss {m['loss']:.4f}  train acc {m['aux']['accuracy']:.3f}  "
-                f"({i * batch_size / (time.perf_counter() - t0):,.0f} samples/s on {step.num_devices} "
-                f"{step.devices[0].platform} device(s), {backend})")
-    params = get_params(state)
-    logits = jax.jit(fm.apply)(params, jnp.asarray(x_test))
-    accuracy = float(np.mean(np.asarray(logits).argmax(-1) == y_test))
-    return TrainResult(float(m["loss"]), accuracy, steps, time.perf_counter() - t0, params)
+    with bar:
+        for s in range(start + 1, end + 1):
+            for micro in step.micro_batches(next(batches)):
+                state, metrics = step(state, micro)
+            bar.advance(bar_task)
+            if flops_per_step is None:  # once: the compiled step's FLOPs, per optimizer step, all devices
+                flops_per_step = _step_flops(step, state, micro)
+                peak = peak_flops(devices[0])
+
+            if s % t.log_every == 0 or s == end:
+                m = jax.device_get(metrics)
+                now = time.perf_counter()
+                rate = (s - last_log_step) / (now - last_log_time)
+                record = {"step": s, "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]),
+                          "lr": lr_at(s - 1), "samples_per_s": rate * config.data.batch_size,
+                          **{f"train_{k}": float(v) for k, v in m["aux"].items()}}
+                if flops_per_step:
+                    record["flops_per_s"] = rate * flops_per_step
+                    if peak:
+                        record["mfu"] = record["flops_per_s"] / (peak * len(devices))
+                final_loss, last_log_time, last_log_step = record["loss"], now, s
+                bar.update(bar_task, description=f"loss {record['loss']:.4f}  {record['samples_per_s']:,.0f} samples/s")
+                if not progress:
+                    log(f"step {s:6d}  loss {record['loss']:.4f}  grad_norm {record['grad_norm']:.3f}  "
+                        f"lr {record['lr']:.2e}  {record['samples_per_s']:,.0f} samples/s")
+            else:
+                record = None
+
+            if eval_step is not None and ((t.eval_every and s % t.eval_every == 0) or s == end):
+                eval_metrics = evaluate(eval_step, *step_params(step, state), task.test,
+                                        config.data.eval_batch_size, step.mesh)
+                record = (record or {"step": s}) | {f"eval_{k}": v for k, v in eval_metrics.items()}
+                log(f"step {s:6d}  eval " + "  ".join(f"{k} {v:.4f}" for k, v in eval_metrics.items()))
+            if record is not None:
+                metrics_file.write(json.dumps(record) + "\n")
+                metrics_file.flush()
+
+            if (t.checkpoint_every and s % t.checkpoint_every == 0) or s == end:
+                checkpoints.save(s, step, state, batches.get_state(), run)
+
+    # Wrap up: wait for the last checkpoint write, close files.
+    seconds = time.perf_counter() - t0
+    checkpoints.close()
+    batches.close()
+    metrics_file.close()
+    return TrainResult(end, resumed_from, final_loss, eval_metrics, seconds, get_params(state))
+
+
+def step_params(step, state):
+    """(params, model_state) as one replicated copy, for evaluation."""
+    canonical = step.canonical(state)
+    return canonical.params, canonical.model_state
+
+
+def _step_flops(step, state, micro) -> float | None:
+    """FLOPs of one optimizer step over all devices, from XLA's cost analysis of the compiled step."""
+    try:
+        cost = step.lower(state, micro).compile().cost_analysis()
+    except Exception:  # cost analysis is best-effort: some backends do not provide it
+        return None
+    cost = cost[0] if isinstance(cost, list) else cost
+    flops = float((cost or {}).get("flops", 0.0))
+    return flops * step.num_devices * step.accum_steps if flops > 0 else None
+
+
+def load_metrics(workdir: str) -> list[dict]:
+    """The records of `workdir/metrics.jsonl`, in order."""
+    path = os.path.join(workdir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        raise ValueError(f"{path!r} does not exist; run `jdp train ... --workdir {workdir}` first.")
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_metrics(workdir: str, path: str | None = None) -> str:
+    """Save a PNG of the loss (train, eval) and accuracy curves of a run; returns its path."""
+    records = load_metrics(workdir)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("jdp plot needs matplotlib: pip install 'jdp[plot]'.") from None
+    path = path or os.path.join(workdir, "curves.png")
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 3.6))
+    for key, ax in (("loss", ax_loss), ("train_accuracy", ax_acc), ("eval_loss", ax_loss), ("eval_accuracy", ax_acc)):
+        pts = [(r["step"], r[key]) for r in records if key in r]
+        if pts:
+            ax.plot(*np.array(pts).T, marker="o" if key.startswith("eval") else None, label=key)
+    for ax, title in ((ax_loss, "loss"), (ax_acc, "accuracy")):
+        ax.set(title=title, xlabel="optimizer step")
+        if ax.lines:
+            ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

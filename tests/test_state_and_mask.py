@@ -70,5 +70,6 @@ def test_model_state_contract_is_checked():
     step = jdp.make_train_step(mlp_loss, optax.sgd(0.1))
     with pytest.raises(ValueError, match="model_state was given but the step was made without has_state=True"):
         step.init(mlp_params(), {"mean": np.zeros(12, np.float32)})
-    with pytest.raises(ValueError, match="has_state=True .* needs accum_sync='every'"):
-        jdp.make_train_step(running_mean_loss, optax.sgd(0.1), has_state=True, accum_steps=2, accum_sync="last")
+    step = jdp.make_train_step(running_mean_loss, optax.sgd(0.1), has_state=True, accum_steps=2, accum_sync="last")
+    with pytest.raises(ValueError, match="a model with state .* needs accum_sync='every'"):
+        step.init(mlp_params(), {"mean": np.zeros(12, np.float32)})

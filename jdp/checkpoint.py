@@ -1,0 +1,94 @@
+"""Orbax checkpoints of a whole run: train state, data position and the run's configuration.
+
+The state is saved in its canonical form (one copy, `TrainStep.canonical`), so a run can resume
+on another device count. Orbax writes each checkpoint to a temporary directory and renames it
+when complete, so a crash mid-write never touches the newest complete checkpoint; `keep` bounds
+how many are kept.
+"""
+from __future__ import annotations
+
+import os
+
+import jax
+import orbax.checkpoint as ocp
+
+from jdp.state import TrainState
+from jdp.step import TrainStep
+
+
+class CheckpointMismatchError(ValueError):
+    """The checkpoint was written by a run with another configuration; it is left untouched."""
+
+
+def _differences(saved: dict, current: dict, prefix: str = "") -> list[str]:
+    keys = sorted(set(saved) | set(current))
+    out = []
+    for k in keys:
+        a, b = saved.get(k, "<absent>"), current.get(k, "<absent>")
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _differences(a, b, f"{prefix}{k}.")
+        elif a != b:
+            out.append(f"{prefix}{k}: checkpoint {a!r}, now {b!r}")
+    return out
+
+
+class Checkpointer:
+    """Saves and restores `(state, data_state, run)` under `directory/<step>/`."""
+
+    def __init__(self, directory: str, keep: int = 3):
+        if os.path.exists(directory) and not os.path.isdir(directory):
+            raise ValueError(f"checkpoint directory {directory!r} exists and is not a directory.")
+        if keep < 1:
+            raise ValueError(f"keep={keep} must be at least 1.")
+        self.directory = os.path.abspath(directory)
+        self._manager = ocp.CheckpointManager(
+            self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
+
+    def latest_step(self) -> int | None:
+        """The newest complete checkpoint's optimizer step, or None if there is none."""
+        return self._manager.latest_step()
+
+    def save(self, step_number: int, step: TrainStep, state: TrainState, data_state: dict, run: dict) -> None:
+        """Checkpoint `state` after `step_number` optimizer steps, with the data position and `run`.
+
+        `run` (JSON) must hold "identity": the configuration fields that define the run, compared on
+        restore. Saving is asynchronous after the device-to-host copy; `wait()` blocks until done.
+        """
+        self._manager.save(step_number, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(step.canonical(state)),
+            meta=ocp.args.JsonSave({"data_state": data_state, "run": run})))
+
+    def wait(self) -> None:
+        self._manager.wait_until_finished()
+
+    def run_info(self, step_number: int) -> dict:
+        """The saved metadata ("data_state", "run") of a checkpoint."""
+        meta = self._manager.restore(step_number, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        return meta.meta
+
+    def restore(self, step: TrainStep, like: TrainState, run: dict,
+                step_number: int | None = None) -> tuple[TrainState, dict, int]:
+        """Restore the newest (or `step_number`) checkpoint into `step`'s layout.
+
+        Returns `(state, data_state, step_number)`. Raises `CheckpointMismatchError`, naming every
+        field that differs, when the checkpoint's run identity differs from `run["identity"]`.
+        """
+        step_number = self.latest_step() if step_number is None else step_number
+        if step_number is None:
+            raise ValueError(f"no complete checkpoint in {self.directory!r}.")
+        saved = self.run_info(step_number)
+        diffs = _differences(saved["run"]["identity"], run["identity"])
+        if diffs:
+            raise CheckpointMismatchError(
+                f"checkpoint {step_number} in {self.directory!r} was written by a different run ("
+                + "; ".join(diffs) + "); use another --workdir or the original configuration.")
+        canonical = step.canonical(like)
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), canonical)
+        restored = self._manager.restore(step_number, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract)))
+        return step.place(restored.state, like), saved["data_state"], step_number
+
+    def close(self) -> None:
+        self._manager.wait_until_finished()
+        self._manager.close()
+

@@ -1,0 +1,584 @@
+"""`jdp train`'s configuration: typed, validated values, read from YAML and `section.key=value` overrides.
+
+A config has five sections, each a frozen dataclass with a docstring per field: `model`, `data`,
+`optim`, `parallel`, `train`. `Config()` is the default run (an MLP on scikit-learn's digits).
+
+Checks happen in three places, each failing with a `ConfigError`: one sentence that names the
+dotted key and what it accepts.
+
+1. Construction (every section's `__post_init__`): the type and range of each field on its own.
+   Types are strict: an int field takes ints only (not bools, not 1.5), a float field ints or
+   floats, a tuple field a list of ints, `X | None` also null.
+2. `load_config` / `config_from_dict`: unknown sections and keys, malformed files and overrides;
+   then `validate(config, None)`.
+3. `validate(config, num_devices)`: combinations (model × data, lr_correction × reduction,
+   warmup × steps, ...) and, once the device count is known, batch divisibility.
+
+YAML is read with `yaml.safe_load` only. PyYAML follows YAML 1.1, where `3e-4` (no dot) is a
+string, not a float; float fields therefore also accept a string in exponent notation.
+"""
+from __future__ import annotations
+
+import ast
+import hashlib
+import inspect
+import json
+import math
+import numbers
+import os
+import re
+import textwrap
+import typing
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
+
+import optax
+import yaml
+
+from jdp.optim import OPTIMIZERS, OptimizerSpec, exact_sum_spec
+from jdp.reduce import REDUCTIONS
+from jdp.step import ACCUM_SYNCS, BACKENDS, LR_CORRECTIONS
+
+MODELS = ("mlp", "cnn", "gpt", "linear")
+DATASETS = ("digits", "chars", "seed_linear", "arrays")
+SCHEDULES = ("constant", "cosine", "linear")
+# The datasets each model can train on (the model's input and loss must fit the arrays).
+MODEL_DATA = {"mlp": ("digits", "arrays"), "cnn": ("digits", "arrays"), "gpt": ("chars",),
+              "linear": ("seed_linear", "arrays")}
+DIGITS_EXAMPLES = 1797  # scikit-learn's bundled digits, before the train/test split
+SEED_EXAMPLES = {1: 4, 2: 8}  # examples of DESIGN.md's seed regressions
+# Fields left out of `config_hash`: they may change between runs of the same training.
+HASH_EXCLUDED = ("data.eval_batch_size", "parallel.devices", "train.log_every", "train.eval_every",
+                 "train.checkpoint_every", "train.keep_checkpoints")
+
+
+class ConfigError(ValueError):
+    """A config that cannot run, with one sentence naming the key and the values it accepts."""
+
+
+@dataclass(frozen=True)
+class _Rule:
+    """What a field accepts: `desc` completes "KEY must be ..."; `ok` tests the type-checked value."""
+
+    desc: str
+    ok: Callable[[Any], bool] = lambda v: True
+
+
+def _one_of(choices: Iterable[str]) -> _Rule:
+    choices = tuple(choices)
+    return _Rule(f"one of {', '.join(choices)}", lambda v: v in choices)
+
+
+def _or_null(rule: _Rule) -> _Rule:
+    return _Rule(f"null or {rule.desc}", rule.ok)  # None never reaches `ok`
+
+
+_POSITIVE_INT = _Rule("a positive integer", lambda v: v >= 1)
+_COUNT = _Rule("an integer of at least 0", lambda v: v >= 0)
+_POSITIVE = _Rule("a positive number", lambda v: v > 0)
+_NON_NEGATIVE = _Rule("a number of at least 0", lambda v: v >= 0)
+_UNIT = _Rule("a number in [0, 1)", lambda v: 0 <= v < 1)
+_FRACTION = _Rule("a number strictly between 0 and 1", lambda v: 0 < v < 1)
+_BOOL = _Rule("true or false")
+_WIDTHS = _Rule("a list of positive integers", lambda v: all(w >= 1 for w in v))
+_TWO_WIDTHS = _Rule("a list of two positive integers", lambda v: len(v) == 2 and all(w >= 1 for w in v))
+_NPZ = _Rule("the path of a .npz file", lambda v: v.lower().endswith(".npz"))
+
+_BAD = object()  # _coerce's "wrong type"
+# YAML 1.1 reads 3e-4 as a string; these are the numbers it misses (YAML 1.2's float syntax).
+_EXPONENT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
+def _coerce(tp, value):
+    """`value` as type `tp` (bool, int, float, str, tuple[int, ...], or one of those | None), else _BAD."""
+    args = typing.get_args(tp)
+    if type(None) in args:
+        if value is None:
+            return None
+        tp = next(a for a in args if a is not type(None))
+    if tp is bool:
+        return value if isinstance(value, bool) else _BAD
+    if tp is int:
+        return int(value) if isinstance(value, numbers.Integral) and not isinstance(value, bool) else _BAD
+    if tp is float:
+        if isinstance(value, str) and _EXPONENT.fullmatch(value.strip()):
+            value = float(value)
+        if isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value):
+            return float(value)
+        return _BAD
+    if tp is str:
+        return value if isinstance(value, str) else _BAD
+    if typing.get_origin(tp) is tuple:
+        if not isinstance(value, (list, tuple)):
+            return _BAD
+        items = tuple(_coerce(int, v) for v in value)
+        return _BAD if _BAD in items else items
+    raise TypeError(f"jdp.config has no coercion for type {tp!r}.")
+
+
+def _show(value) -> str:
+    """A value as the YAML user wrote it: null, true/false, 'text', 1.5, [1, 2]."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_show(v) for v in value) + "]"
+    return repr(value)
+
+
+class _Section:
+    """Base of the config sections: type-checks, coerces and range-checks every field on construction."""
+
+    _section: ClassVar[str]
+    _rules: ClassVar[dict[str, _Rule]]
+
+    def __post_init__(self):
+        hints = typing.get_type_hints(type(self))
+        for f in fields(self):
+            raw = getattr(self, f.name)
+            value = _coerce(hints[f.name], raw)
+            rule = self._rules[f.name]
+            if value is _BAD or (value is not None and not rule.ok(value)):
+                raise ConfigError(f"{self._section}.{f.name} must be {rule.desc}, got {_show(raw)}.")
+            object.__setattr__(self, f.name, value)
+
+
+@dataclass(frozen=True)
+class ModelConfig(_Section):
+    """The network. Each model reads only its own fields; the others keep their defaults."""
+
+    name: str = "mlp"
+    """One of "mlp", "cnn", "gpt", "linear" (y = w·x, for the seed regressions and user arrays)."""
+    hidden: tuple[int, ...] = (128,)
+    """mlp: the hidden layer widths, input to output (the input and class counts come from the data)."""
+    channels: tuple[int, ...] = (16, 32)
+    """cnn: the widths of its two 3×3 convolutions."""
+    sync_batchnorm: bool = False
+    """cnn: BatchNorm statistics over the global batch (SyncBatchNorm) instead of each device's shard."""
+    d_model: int = 64
+    """gpt: the embedding width; divisible by n_heads."""
+    n_heads: int = 4
+    """gpt: attention heads per layer."""
+    n_layers: int = 2
+    """gpt: transformer blocks."""
+    dropout: float = 0.1
+    """gpt: dropout rate in [0, 1); keys differ per device and micro-step."""
+    context: int = 64
+    """gpt: tokens per training window (and the longest sequence the model accepts)."""
+
+    _section: ClassVar[str] = "model"
+    _rules: ClassVar[dict[str, _Rule]] = dict(
+        name=_one_of(MODELS), hidden=_WIDTHS, channels=_TWO_WIDTHS, sync_batchnorm=_BOOL, d_model=_POSITIVE_INT,
+        n_heads=_POSITIVE_INT, n_layers=_POSITIVE_INT, dropout=_UNIT, context=_POSITIVE_INT)
+
+
+@dataclass(frozen=True)
+class DataConfig(_Section):
+    """The dataset and how it is batched."""
+
+    name: str = "digits"
+    """One of "digits" (scikit-learn's 8×8 digits), "chars" (a character corpus, for gpt),
+    "seed_linear" (DESIGN.md's seed regressions), "arrays" (your own .npz)."""
+    path: str | None = None
+    """arrays: a .npz file holding arrays "x" and "y" (relative to the working directory)."""
+    seed_example: int = 2
+    """seed_linear: DESIGN.md's seed number, 1 (4 examples) or 2 (8 examples)."""
+    batch_size: int = 128
+    """The GLOBAL batch of one optimizer step: all devices and all micro-batches together."""
+    eval_batch_size: int = 256
+    """Examples per evaluation batch."""
+    drop_last: bool = True
+    """Skip each epoch's last, incomplete batch; false pads it and masks the padding out."""
+    test_fraction: float = 0.2
+    """digits: the fraction held out to measure test accuracy, strictly between 0 and 1."""
+
+    _section: ClassVar[str] = "data"
+    _rules: ClassVar[dict[str, _Rule]] = dict(
+        name=_one_of(DATASETS), path=_or_null(_NPZ), seed_example=_Rule("1 or 2", lambda v: v in SEED_EXAMPLES),
+        batch_size=_POSITIVE_INT, eval_batch_size=_POSITIVE_INT, drop_last=_BOOL, test_fraction=_FRACTION)
+
+
+@dataclass(frozen=True)
+class OptimConfig(_Section):
+    """The optimizer and its learning-rate schedule (turned into a `jdp.OptimizerSpec` + optax schedule)."""
+
+    name: str = "adam"
+    """One of "sgd", "momentum", "adam", "adamw"."""
+    lr: float = 3e-3
+    """The peak learning rate (before linear scaling, if that is on)."""
+    momentum: float = 0.9
+    """momentum: the heavy-ball coefficient, in [0, 1)."""
+    b1: float = 0.9
+    """adam/adamw: first-moment decay, in [0, 1)."""
+    b2: float = 0.999
+    """adam/adamw: second-moment decay, in [0, 1)."""
+    eps: float = 1e-8
+    """adam/adamw: added to sqrt(v); positive."""
+    weight_decay: float = 0.0
+    """adamw only: decoupled weight decay (multiplied by the scheduled lr)."""
+    clip_norm: float | None = None
+    """Clip the gradient's global norm to this before the optimizer; null turns clipping off."""
+    schedule: str = "constant"
+    """After warmup: "constant", "cosine" or "linear" (both decay to 0 at train.steps)."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warmup from 0 to lr; 0 starts at lr."""
+    linear_scaling: bool = False
+    """Opt-in linear scaling rule: lr × data.batch_size / base_batch_size (seed 000 §9.1). It
+    compensates for fewer steps per epoch at a larger batch; it is not the gradient averaging
+    that makes N devices equal one."""
+    base_batch_size: int = 256
+    """linear_scaling: the batch size at which lr was tuned."""
+
+    _section: ClassVar[str] = "optim"
+    _rules: ClassVar[dict[str, _Rule]] = dict(
+        name=_one_of(OPTIMIZERS), lr=_POSITIVE, momentum=_UNIT, b1=_UNIT, b2=_UNIT, eps=_POSITIVE,
+        weight_decay=_NON_NEGATIVE, clip_norm=_or_null(_POSITIVE), schedule=_one_of(SCHEDULES),
+        warmup_steps=_COUNT, linear_scaling=_BOOL, base_batch_size=_POSITIVE_INT)
+
+
+@dataclass(frozen=True)
+class ParallelConfig(_Section):
+    """How the step is spread over devices (the arguments of `jdp.make_train_step`)."""
+
+    backend: str = "shard_map"
+    """"shard_map" (jit over a 1-D mesh) or "pmap"."""
+    devices: int | None = None
+    """Devices to use; null: all of them (on a CPU-only machine, 4 fake CPU devices)."""
+    reduction: str = "mean"
+    """"mean" (pmean: the global-batch gradient) or "sum" (psum: N times it)."""
+    lr_correction: str | None = None
+    """reduction "sum" only: null or "auto" (lr/N), "none" (raw sum), "exact" (the spec's scale-
+    dependent hyperparameters, `jdp.exact_sum_spec`). With "mean": null or "none"."""
+    accum_steps: int = 1
+    """Micro-batches per optimizer step (gradient accumulation)."""
+    accum_sync: str = "every"
+    """accum_steps > 1: all-reduce on "every" micro-batch, or once, on the "last"."""
+
+    _section: ClassVar[str] = "parallel"
+    _rules: ClassVar[dict[str, _Rule]] = dict(
+        backend=_one_of(BACKENDS), devices=_or_null(_POSITIVE_INT), reduction=_one_of(REDUCTIONS),
+        lr_correction=_or_null(_one_of(LR_CORRECTIONS)), accum_steps=_POSITIVE_INT, accum_sync=_one_of(ACCUM_SYNCS))
+
+
+@dataclass(frozen=True)
+class TrainConfig(_Section):
+    """The loop: length, cadence of logs, evaluations and checkpoints, and the seed."""
+
+    steps: int = 300
+    """Optimizer steps (each consumes data.batch_size examples); schedules count these."""
+    log_every: int = 50
+    """Log every this many optimizer steps (and at the last)."""
+    eval_every: int = 0
+    """Evaluate every this many optimizer steps; 0: only at the end."""
+    checkpoint_every: int = 0
+    """Checkpoint every this many optimizer steps; 0: only at the end."""
+    keep_checkpoints: int = 3
+    """The most recent checkpoints kept on disk."""
+    seed: int = 0
+    """Seeds the params' initialisation, the data order and the dropout keys."""
+
+    _section: ClassVar[str] = "train"
+    _rules: ClassVar[dict[str, _Rule]] = dict(
+        steps=_POSITIVE_INT, log_every=_POSITIVE_INT, eval_every=_COUNT, checkpoint_every=_COUNT,
+        keep_checkpoints=_POSITIVE_INT, seed=_COUNT)
+
+
+SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig,
+                             "parallel": ParallelConfig, "train": TrainConfig}
+
+
+@dataclass(frozen=True)
+class Config:
+    """A whole `jdp train` run; `Config()` is the default (an MLP on digits, Adam 3e-3, 300 steps)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The network."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """The dataset and its batches."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """The optimizer and its schedule."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Devices, reduction and accumulation."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Length, cadence and seed of the loop."""
+
+    def __post_init__(self):
+        for name, cls in SECTIONS.items():
+            if not isinstance(getattr(self, name), cls):
+                raise ConfigError(f"Config.{name} must be of type {cls.__name__}, got {type(getattr(self, name)).__name__}.")
+
+    def optimizer_spec(self) -> OptimizerSpec:
+        """The optimizer's hyperparameters as a `jdp.OptimizerSpec`, lr after linear scaling (if on)."""
+        o = self.optim
+        lr = o.lr * self.data.batch_size / o.base_batch_size if o.linear_scaling else o.lr
+        return OptimizerSpec(o.name, lr=lr, momentum=o.momentum, b1=o.b1, b2=o.b2, eps=o.eps,
+                             weight_decay=o.weight_decay, clip_norm=o.clip_norm)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """`{section: {field: value}}` of JSON types (tuples become lists); `config_from_dict` inverts it."""
+        return {name: {f.name: _plain(getattr(getattr(self, name), f.name)) for f in fields(cls)}
+                for name, cls in SECTIONS.items()}
+
+
+def _plain(value):
+    return list(value) if isinstance(value, tuple) else value
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Each field's docstring (the string literal right after it in the class body), by field name."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+            docs[node.target.id] = inspect.cleandoc(after.value.value)
+    return docs
+
+
+def _section_fields(section: str) -> list[str]:
+    return [f.name for f in fields(SECTIONS[section])]
+
+
+def _check_key(section, key) -> None:
+    """Raise for a section or a `section.key` that a config does not have."""
+    if section not in SECTIONS:
+        dotted = section if key is None else f"{section}.{key}"
+        raise ConfigError(f"unknown key {dotted!r}; a config has: {', '.join(SECTIONS)}.")
+    if key is not None and key not in _section_fields(section):
+        raise ConfigError(f"unknown key '{section}.{key}'; {section} has: {', '.join(_section_fields(section))}.")
+
+
+def config_from_dict(data: Mapping | None, *, source: str = "the config") -> Config:
+    """A `Config` from `{section: {field: value}}` (missing sections and fields keep their defaults).
+
+    Checks every key and value and the combinations that do not need the device count
+    (`validate(config, None)`). `source` names the data in the message when it is not a mapping.
+    """
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{source} must be a mapping of sections ({', '.join(SECTIONS)}), "
+                          f"got {type(data).__name__}.")
+    sections = {}
+    for name, values in data.items():
+        _check_key(name, None)
+        values = {} if values is None else values
+        if not isinstance(values, Mapping):
+            raise ConfigError(f"{name} must be a mapping of its keys ({', '.join(_section_fields(name))}), "
+                              f"got {type(values).__name__}.")
+        for key in values:
+            _check_key(name, key)
+        sections[name] = SECTIONS[name](**values)
+    return validate(Config(**sections), None)
+
+
+def _apply_overrides(data: dict, overrides: Iterable[str]) -> dict:
+    """`data` with each `"section.key=value"` set; the value is parsed as YAML (numbers, bools, lists, null)."""
+    if isinstance(overrides, str):
+        raise ConfigError(f"overrides must be a list of 'section.key=value' strings, got the string {overrides!r}.")
+    for text in overrides:
+        if not isinstance(text, str) or "=" not in text:
+            raise ConfigError(f"override {text!r} has no '='; write section.key=value, e.g. optim.lr=3e-4.")
+        dotted, _, raw = text.partition("=")
+        section, dot, key = dotted.strip().partition(".")
+        if not (section and dot and key) or "." in key:
+            raise ConfigError(f"override {text!r} must name one key as section.key, e.g. optim.lr=3e-4.")
+        _check_key(section, key)
+        if not raw.strip():
+            raise ConfigError(f"override {text!r} has no value; write {section}.{key}=null for none.")
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError:
+            raise ConfigError(f"override {text!r} has a value that is not valid YAML: {raw!r}.") from None
+        values = data.get(section)
+        if values is None:
+            values = data[section] = {}
+        if isinstance(values, Mapping):
+            data[section] = {**values, key: value}
+    return data
+
+
+def _read_yaml(path: str):
+    if not os.path.exists(path):
+        raise ConfigError(f"config file {path!r} does not exist.")
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path!r} is not a file.")
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {path!r} cannot be read ({e}).") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = " ".join(str(e.problem or e.context or "syntax error").split())
+        raise ConfigError(f"{path}: invalid YAML{where}: {problem}.") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: invalid YAML: {' '.join(str(e).split())}.") from None
+
+
+def load_config(path: str | os.PathLike | None, overrides: Iterable[str] | None = ()) -> Config:
+    """The config in the YAML file `path` (None: the defaults), with `overrides` applied in order.
+
+    The file's top-level keys are sections, its nested keys their fields; anything missing keeps
+    its default. `overrides` are strings like `"optim.lr=3e-4"`, `"model.hidden=[256,128]"`,
+    `"optim.clip_norm=null"`. Raises ConfigError for a missing or malformed file, an unknown key, a
+    value of the wrong type or range, or an impossible combination; `validate(config, num_devices)`
+    adds the device-count checks once the devices are set up.
+    """
+    data = {} if path is None else _read_yaml(os.fspath(path))
+    source = "the config" if path is None else os.fspath(path)
+    if data is not None and not isinstance(data, Mapping):
+        raise ConfigError(f"{source} must hold a mapping of sections ({', '.join(SECTIONS)}), "
+                          f"got {type(data).__name__}.")
+    return config_from_dict(_apply_overrides(dict(data or {}), overrides or ()), source=source)
+
+
+def apply_overrides(config: Config, overrides: Iterable[str]) -> Config:
+    """A new config: `config` with `"section.key=value"` overrides applied (checked as in load_config)."""
+    return config_from_dict(_apply_overrides(config.to_dict(), overrides))
+
+
+def validate(config: Config, num_devices: int | None) -> Config:
+    """Raise ConfigError for a combination that cannot run; return `config` unchanged otherwise.
+
+    `num_devices`: the devices available (after setting them up). None checks everything that
+    does not need it; the batch-divisibility check then runs only when parallel.devices is set.
+    """
+    if num_devices is not None and (isinstance(num_devices, bool) or not isinstance(num_devices, int)
+                                    or num_devices < 1):
+        raise ValueError(f"num_devices={num_devices!r} must be a positive integer, or None.")
+    m, d, o, p, t = config.model, config.data, config.optim, config.parallel, config.train
+
+    if d.name not in MODEL_DATA[m.name]:
+        raise ConfigError(f"model.name={m.name!r} cannot train on data.name={d.name!r}; "
+                          f"{m.name} takes data.name {' or '.join(MODEL_DATA[m.name])}.")
+    if m.sync_batchnorm and m.name != "cnn":
+        raise ConfigError(f"model.sync_batchnorm=true needs model.name='cnn' (the model with BatchNorm), "
+                          f"got {m.name!r}.")
+    if m.name == "gpt" and m.d_model % m.n_heads:
+        raise ConfigError(f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}.")
+
+    if d.name == "arrays" and d.path is None:
+        raise ConfigError("data.name='arrays' needs data.path, a .npz file with arrays 'x' and 'y'.")
+    if d.name != "arrays" and d.path is not None:
+        raise ConfigError(f"data.path is read only with data.name='arrays', got data.name={d.name!r}.")
+    if d.name == "arrays" and not os.path.isfile(d.path):
+        raise ConfigError(f"data.path={d.path!r} is not a file (relative paths start at {os.getcwd()}).")
+    if d.drop_last and d.name in ("digits", "seed_linear"):
+        if d.name == "digits":
+            n, what = DIGITS_EXAMPLES - int(round(DIGITS_EXAMPLES * d.test_fraction)), "digits training examples"
+        else:
+            n, what = SEED_EXAMPLES[d.seed_example], f"examples of data.seed_example={d.seed_example}"
+        if d.batch_size > n:
+            raise ConfigError(f"data.batch_size={d.batch_size} is more than the {n} {what}, so with "
+                              f"data.drop_last=true no batch is ever full.")
+
+    if o.weight_decay and o.name != "adamw":
+        raise ConfigError(f"optim.weight_decay={o.weight_decay} needs optim.name='adamw' (decoupled decay), "
+                          f"got {o.name!r}.")
+    if o.schedule != "constant" and o.warmup_steps >= t.steps:
+        raise ConfigError(f"optim.warmup_steps={o.warmup_steps} must be less than train.steps={t.steps}, "
+                          f"since optim.schedule={o.schedule!r} decays to 0 at train.steps.")
+
+    if p.reduction == "mean" and p.lr_correction not in (None, "none"):
+        raise ConfigError(f"parallel.lr_correction={p.lr_correction!r} needs parallel.reduction='sum'; "
+                          f"with 'mean' use null or 'none'.")
+    if m.name == "cnn" and p.accum_sync == "last" and p.accum_steps > 1:
+        raise ConfigError(f"model.name='cnn' needs parallel.accum_sync='every' with parallel.accum_steps="
+                          f"{p.accum_steps}: 'last' skips the all-reduce that keeps its BatchNorm state replicated.")
+    if num_devices is not None and p.devices is not None and p.devices > num_devices:
+        raise ConfigError(f"parallel.devices={p.devices} is more than the {num_devices} devices available.")
+    devices = p.devices if p.devices is not None else num_devices
+    if devices is not None and d.batch_size % (p.accum_steps * devices):
+        raise ConfigError(f"data.batch_size={d.batch_size} is not a multiple of parallel.accum_steps × devices "
+                          f"= {p.accum_steps} × {devices}; use a multiple of {p.accum_steps * devices}.")
+    return config
+
+
+def lr_schedule(config: Config, peak: float | None = None) -> optax.Schedule:
+    """The learning rate at each OPTIMIZER step (0-based count of updates applied so far).
+
+    Linear warmup from 0 at step 0 to `peak` at step optim.warmup_steps, then constant, or cosine
+    or linear decay to 0 at step train.steps. `peak` defaults to `config.optimizer_spec().lr`.
+    """
+    o, steps = config.optim, config.train.steps
+    peak = config.optimizer_spec().lr if peak is None else float(peak)
+    w = o.warmup_steps
+    if o.schedule == "cosine":
+        return optax.warmup_cosine_decay_schedule(0.0, peak, w, steps, end_value=0.0)
+    after = optax.constant_schedule(peak) if o.schedule == "constant" else optax.linear_schedule(peak, 0.0, steps - w)
+    return after if w == 0 else optax.join_schedules([optax.linear_schedule(0.0, peak, w), after], [w])
+
+
+def _optax_chain(spec: OptimizerSpec, lr) -> optax.GradientTransformation:
+    """`spec.build()` with `lr` (a float or a schedule) in place of spec.lr: clip first, then the optimizer."""
+    if spec.name == "sgd":
+        opt = optax.sgd(lr)
+    elif spec.name == "momentum":
+        opt = optax.sgd(lr, momentum=spec.momentum)
+    elif spec.name == "adam":
+        opt = optax.adam(lr, b1=spec.b1, b2=spec.b2, eps=spec.eps)
+    else:
+        opt = optax.adamw(lr, b1=spec.b1, b2=spec.b2, eps=spec.eps, weight_decay=spec.weight_decay)
+    return opt if spec.clip_norm is None else optax.chain(optax.clip_by_global_norm(spec.clip_norm), opt)
+
+
+def build_optimizer(config: Config, num_devices: int | None = None
+                    ) -> tuple[optax.GradientTransformation, Callable[[int], float], str | None]:
+    """`(optimizer, lr_at, lr_correction)` for `make_train_step(loss_fn, optimizer, lr_correction=...)`.
+
+    `optimizer`: the optax chain, clip -> optimizer with the lr schedule; its hyperparameters come
+    from `config.optimizer_spec()`, and a constant schedule without warmup gives exactly
+    `spec.build()`. The schedule counts optimizer steps (MultiSteps and accum_sync="last" advance
+    it once per global batch). `lr_at(step)`: the learning rate of the update after `step`
+    optimizer steps, for logging: always the uncorrected, mean-equivalent value.
+
+    `lr_correction`: what the step must be given. parallel.lr_correction="exact" is applied here,
+    by building the chain from `jdp.exact_sum_spec(spec, num_devices)` (num_devices: the devices
+    the step runs on), because `make_train_step` can apply it only to a bare OptimizerSpec, which
+    has no schedule; the step then gets "none". Any other value is passed through.
+    """
+    spec = config.optimizer_spec()
+    applied, lr_correction = spec, config.parallel.lr_correction
+    if config.parallel.reduction == "sum" and lr_correction == "exact":
+        if num_devices is None:
+            raise ConfigError("parallel.lr_correction='exact' needs the device count: call "
+                              "build_optimizer(config, num_devices).")
+        applied, lr_correction = exact_sum_spec(spec, num_devices), "none"
+    o = config.optim
+    if o.schedule == "constant" and o.warmup_steps == 0:
+        return _optax_chain(applied, applied.lr), lambda step: spec.lr, lr_correction
+    shown = lr_schedule(config, spec.lr)
+    return _optax_chain(applied, lr_schedule(config, applied.lr)), lambda step: float(shown(step)), lr_correction
+
+
+def run_identity(config: Config) -> dict[str, dict[str, Any]]:
+    """The fields that define the training run, as `{section: {field: value}}` (JSON types).
+
+    A checkpoint stores it; resuming with a different identity is refused. Left out
+    (HASH_EXCLUDED): train.log_every, eval_every, checkpoint_every, keep_checkpoints and
+    data.eval_batch_size (what is logged, evaluated or saved when, not what is trained), and
+    parallel.devices (the device count may change between runs: the step's result does not depend
+    on it). Everything else counts, train.steps included: the learning-rate schedule depends on it.
+    """
+    d = config.to_dict()
+    for dotted in HASH_EXCLUDED:
+        section, key = dotted.split(".")
+        del d[section][key]
+    return d
+
+
+def config_hash(config: Config) -> str:
+    """sha256 (hex) of the canonical JSON (sorted keys) of `run_identity(config)`."""
+    canonical = json.dumps(run_identity(config), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+__all__ = ["Config", "ConfigError", "DataConfig", "HASH_EXCLUDED", "ModelConfig", "OptimConfig", "ParallelConfig",
+           "SECTIONS", "TrainConfig", "apply_overrides", "build_optimizer", "config_from_dict", "config_hash",
+           "field_docs", "load_config", "lr_schedule", "run_identity", "validate"]

@@ -1,0 +1,120 @@
+"""What to train, built from a config: model, data, loss and evaluation metrics as plain functions."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jdp import data as D
+from jdp.data import MASK_KEY, ArrayDataset
+from jdp.models import CNN, GPT, MLP, functional
+
+
+@dataclass(frozen=True)
+class Task:
+    """A model and its data, in the form the step and the loop consume."""
+
+    params: Any  # initial params (identical on every host: one seed)
+    model_state: Any  # non-parameter state (BatchNorm statistics), () if none
+    loss_fn: Callable  # loss_fn(params, model_state, batch, rng) -> (loss, (aux, new_model_state))
+    metric_fn: Callable  # metric_fn(params, model_state, batch) -> {name: per-example values}
+    train: ArrayDataset
+    test: ArrayDataset | None  # evaluated at eval steps; None: no held-out set
+    description: str
+
+
+def _masked_mean(values, batch):
+    """mean over the b examples given, padded ones counting 0: sum(mask · v) / b (jdp's mask contract)."""
+    mask = batch.get(MASK_KEY)
+    return jnp.mean(values) if mask is None else jnp.sum(values * mask) / values.shape[0]
+
+
+def _classifier(fm, description, train, test) -> Task:
+    def loss_fn(params, model_state, batch, rng):
+        logits, new_state = fm.apply_with_state(params, model_state, batch["x"], train=True)
+        per_example = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+        accuracy = (logits.argmax(-1) == batch["y"]).astype(jnp.float32)
+        return _masked_mean(per_example, batch), ({"accuracy": _masked_mean(accuracy, batch)}, new_state)
+
+    def metric_fn(params, model_state, batch):
+        logits, _ = fm.apply_with_state(params, model_state, batch["x"], train=False)
+        return {"loss": optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]),
+                "accuracy": logits.argmax(-1) == batch["y"]}
+
+    return Task(fm.params, fm.rest, loss_fn, metric_fn, train, test, description)
+
+
+def _language_model(fm, description, train, test) -> Task:
+    def loss_fn(params, model_state, batch, rng):
+        logits, new_state = fm.apply_with_state(params, model_state, batch["x"], train=True, rngs=rng)
+        per_window = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean(-1)
+        accuracy = (logits.argmax(-1) == batch["y"]).mean(-1)
+        return _masked_mean(per_window, batch), ({"accuracy": _masked_mean(accuracy, batch)}, new_state)
+
+    def metric_fn(params, model_state, batch):
+        logits, _ = fm.apply_with_state(params, model_state, batch["x"], train=False)
+        return {"loss": optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean(-1),
+                "accuracy": (logits.argmax(-1) == batch["y"]).mean(-1)}
+
+    return Task(fm.params, fm.rest, loss_fn, metric_fn, train, test, description)
+
+
+def _regression(w0, description, train, test) -> Task:
+    def predict(params, x):
+        return x @ params["w"] if x.ndim == 2 else x * params["w"]
+
+    def loss_fn(params, model_state, batch, rng):
+        return _masked_mean((predict(params, batch["x"]) - batch["t"]) ** 2, batch), ({}, model_state)
+
+    def metric_fn(params, model_state, batch):
+        return {"loss": (predict(params, batch["x"]) - batch["t"]) ** 2}
+
+    return Task({"w": np.asarray(w0, np.float32)}, (), loss_fn, metric_fn, train, test, description)
+
+
+SEED_INITIAL_W = {1: 1.0, 2: [0.5, -0.3]}  # DESIGN.md "Seed numbers"
+
+
+def build_task(config) -> Task:
+    """The task a `jdp.config.Config` describes (model × dataset), initialised from train.seed."""
+    m, d = config.model, config.data
+    rngs = nnx.Rngs(config.train.seed)
+    if d.name == "seed_linear":
+        ds = D.load_seed_regression(d.seed_example)
+        return _regression(SEED_INITIAL_W[d.seed_example], f"linear regression, seed example {d.seed_example}",
+                           ds, None)
+    if d.name == "chars":
+        corpus = D.load_char_corpus()
+        train = D.char_windows(corpus.train, m.context, stride=m.context // 2)
+        test = D.char_windows(corpus.val, m.context, stride=m.context)
+        model = GPT(corpus.vocab_size, m.context, d_model=m.d_model, n_heads=m.n_heads, n_layers=m.n_layers,
+                    dropout=m.dropout, rngs=rngs)
+        return _language_model(functional(model), f"char GPT ({corpus.vocab_size} symbols)", train, test)
+    if d.name == "digits":
+        x, y, xt, yt = D.load_digits(d.test_fraction, images=m.name == "cnn")
+        train, test = ArrayDataset({"x": x, "y": y}), ArrayDataset({"x": xt, "y": yt})
+    else:  # "arrays": a user's .npz with "x" and "y"
+        arrays = D.load_arrays(d.path).arrays
+        if set(arrays) != {"x", "y"}:
+            raise ValueError(f"data.path {d.path!r} must hold exactly the arrays 'x' and 'y', got {sorted(arrays)}.")
+        x, y = arrays["x"].astype(np.float32), arrays["y"]
+        n_test = int(round(len(x) * d.test_fraction))
+        order = np.random.default_rng(config.train.seed).permutation(len(x))
+        train = ArrayDataset({"x": x[order[n_test:]], "y": y[order[n_test:]]})
+        test = ArrayDataset({"x": x[order[:n_test]], "y": y[order[:n_test]]}) if n_test else None
+        if m.name == "linear":
+            return _regression(np.zeros(x.shape[1:], np.float32), f"linear regression on {d.path}",
+                               ArrayDataset({"x": train.arrays["x"], "t": train.arrays["y"].astype(np.float32)}),
+                               test and ArrayDataset({"x": test.arrays["x"], "t": test.arrays["y"].astype(np.float32)}))
+    n_classes = int(max(train.arrays["y"].max(), test.arrays["y"].max() if test else 0)) + 1
+    if m.name == "cnn":
+        model = CNN(n_classes, tuple(m.channels), sync_batchnorm=m.sync_batchnorm, rngs=rngs)
+    else:
+        in_dim = int(np.prod(train.arrays["x"].shape[1:]))
+        model = MLP([in_dim, *m.hidden, n_classes], rngs=rngs)
+    return _classifier(functional(model), f"{m.name} on {d.name} ({n_classes} classes)", train, test)
