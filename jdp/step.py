@@ -71,7 +71,7 @@ class TrainStep:
         # Steps allowed in flight before __call__ waits for the oldest (None: unbounded). On CPU
         # devices XLA admits 32 per device and then blocks a client-pool thread per launch, which
         # can starve the threads that run the steps and deadlock the all-reduce (jdp/cpu.py).
-        self.max_inflight = 8 if all(d.platform == "cpu" for d in self.devices) else None
+        self.max_inflight = 16 if all(d.platform == "cpu" for d in self.devices) else None
         self._inflight = collections.deque()
         self.trace_count = 0  # how often the step was traced (= compiled); tests assert it stays 1
 
