@@ -28,6 +28,8 @@ class TrainState(struct.PyTreeNode):
     opt_state: Any  # the optax state (an optax.MultiStepsState with accum_sync="every")
     model_state: Any  # non-parameter model state (BatchNorm statistics); () without has_state
     rng: jax.Array  # uint32[2] base key; each micro-step and device derives its own key from it
+    skipped: jax.Array  # int32: updates skipped for non-finite gradients (skip_nonfinite=True)
+    skip_streak: jax.Array  # int32: consecutive skipped updates up to now
     accum: LocalAccum | None = None  # accum_sync="last" only: leaves (N, ...), one slice per device
     stacked: bool = struct.field(pytree_node=False, default=False)  # pmap layout: every leaf is (N, ...)
 

@@ -41,7 +41,7 @@ class TrainStep:
     """A compiled data-parallel training step. Build it with `make_train_step`."""
 
     def __init__(self, loss_fn, optimizer, *, backend, reduction, lr_correction, devices, has_aux, needs_rng,
-                 has_state, mask_key, accum_steps, accum_sync):
+                 has_state, mask_key, accum_steps, accum_sync, skip_nonfinite):
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r} is not supported; use one of {BACKENDS}.")
         if reduction not in REDUCTIONS:
@@ -66,6 +66,10 @@ class TrainStep:
         self.optimizer = _corrected_optimizer(optimizer, self.lr_correction, self.num_devices)
         # With accum_sync="last", gradients wait in per-device sums until the M-th call.
         self.local_accum = self.accum_steps > 1 and accum_sync == "last"
+        if skip_nonfinite and self.accum_steps > 1 and not self.local_accum:
+            raise ValueError("skip_nonfinite=True needs accum_sync='last' when accum_steps > 1: with 'every', "
+                             "optax.MultiSteps has already folded a non-finite micro-gradient into its state.")
+        self.skip_nonfinite = bool(skip_nonfinite)
         if self.accum_steps > 1 and accum_sync == "every":
             self.optimizer = optax.MultiSteps(self.optimizer, every_k_schedule=self.accum_steps).gradient_transformation()
         # Steps allowed in flight before __call__ waits for the oldest (None: unbounded). On CPU
@@ -78,12 +82,12 @@ class TrainStep:
         stacked = backend == "pmap"
         rep, split = replicated(self.mesh), batch_sharded(self.mesh)
         self._state_shardings = split if stacked else TrainState(
-            step=rep, micro_step=rep, params=rep, opt_state=rep, model_state=rep, rng=rep,
-            accum=split if self.local_accum else None)
+            step=rep, micro_step=rep, params=rep, opt_state=rep, model_state=rep, rng=rep, skipped=rep,
+            skip_streak=rep, accum=split if self.local_accum else None)
         self._init = jax.jit(partial(self._init_state, stacked=stacked), out_shardings=self._state_shardings)
         if backend == "shard_map":
             state_specs = TrainState(step=P(), micro_step=P(), params=P(), opt_state=P(), model_state=P(), rng=P(),
-                                     accum=P(DATA_AXIS) if self.local_accum else None)
+                                     skipped=P(), skip_streak=P(), accum=P(DATA_AXIS) if self.local_accum else None)
             mapped = jax.shard_map(self._device_step, mesh=self.mesh, in_specs=(state_specs, P(DATA_AXIS)),
                                    out_specs=(state_specs, P()), check_vma=True)
             self._step = jax.jit(mapped, donate_argnums=0)
@@ -110,7 +114,7 @@ class TrainStep:
         (loss, (aux, model_state)), grads = jax.value_and_grad(self._loss_and_extras, has_aux=True)(
             params, state.model_state, batch, key)
         if self.local_accum:
-            params, opt_state, accum, metrics = self._accumulate_then_update(
+            params, opt_state, accum, metrics, skip = self._accumulate_then_update(
                 state, grads, loss, aux, examples, b, updates_now)
             model_state = state.model_state  # empty: init refuses model state with accum_sync="last"
         else:
@@ -122,13 +126,27 @@ class TrainStep:
             # 3. accumulate + update: MultiSteps (accum_steps > 1) averages the M reduced
             #    gradients and applies them on the M-th call; otherwise every call updates.
             updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
-            params, accum = optax.apply_updates(state.params, updates), state.accum
+            params, opt_state, skip = self._unless_nonfinite(grads, state, optax.apply_updates(state.params, updates),
+                                                             opt_state)
+            accum = state.accum
             metrics = self._metrics(loss, grads, aux)
 
+        streak = jnp.where(skip, state.skip_streak + 1, jnp.where(updates_now, 0, state.skip_streak))
         new_state = state.replace(step=state.step + updates_now.astype(jnp.int32), micro_step=state.micro_step + 1,
-                                  params=params, opt_state=opt_state, model_state=model_state, accum=accum)
-        metrics.update(updated=updates_now, step=new_state.step, micro_step=new_state.micro_step)
+                                  params=params, opt_state=opt_state, model_state=model_state, accum=accum,
+                                  skipped=state.skipped + skip.astype(jnp.int32), skip_streak=streak)
+        metrics.update(updated=updates_now & ~skip, skipped=skip, skip_streak=streak, step=new_state.step,
+                       micro_step=new_state.micro_step)
         return new_state, metrics
+
+    def _unless_nonfinite(self, grads, state, params, opt_state):
+        """With skip_nonfinite, keep the old params and optimizer state if the reduced gradient has
+        a NaN/Inf (the same decision on every device: the gradient is already reduced)."""
+        if not self.skip_nonfinite:
+            return params, opt_state, jnp.zeros((), bool)
+        finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
+        return keep(params, state.params), keep(opt_state, state.opt_state), ~finite
 
     def _accumulate_then_update(self, state, grads, loss, aux, examples, b, updates_now):
         """accum_sync="last": sum locally; on the M-th call reduce once and apply the update."""
@@ -146,16 +164,20 @@ class TrainStep:
             g, lo, au = self._over_real_examples((g, lo, au), ex, b)
             # 4. update.
             updates, opt_state = self.optimizer.update(g, state.opt_state, state.params)
-            emptied = jax.tree.map(lambda x: x - x, acc)  # zeros that stay per-device values
-            return optax.apply_updates(state.params, updates), opt_state, emptied, self._metrics(lo, g, au)
+            params, opt_state, skip = self._unless_nonfinite(g, state, optax.apply_updates(state.params, updates),
+                                                             opt_state)
+            # Zeros that stay per-device values (x - x would keep a NaN from a skipped step).
+            emptied = jax.tree.map(lambda x: jnp.where(True, jnp.zeros((), x.dtype), x), acc)
+            return params, opt_state, emptied, self._metrics(lo, g, au), skip
 
         def hold(acc):
             # No communication on this call, so no global metrics either: NaN until the update.
             nan = lambda t: jax.tree.map(lambda x: jnp.full(x.shape, jnp.nan, jnp.float32), t)  # noqa: E731
-            return state.params, state.opt_state, acc, nan(jax.eval_shape(self._metrics, loss, grads, aux))
+            return (state.params, state.opt_state, acc, nan(jax.eval_shape(self._metrics, loss, grads, aux)),
+                    jnp.zeros((), bool))
 
-        params, opt_state, acc, metrics = lax.cond(updates_now, update, hold, acc)
-        return params, opt_state, self._global_view(acc), metrics
+        params, opt_state, acc, metrics, skip = lax.cond(updates_now, update, hold, acc)
+        return params, opt_state, self._global_view(acc), metrics, skip
 
     def _local_view(self, accum):
         # shard_map hands each device a (1, ...) slice of the (N, ...) accumulator; pmap a (...) one.
@@ -214,7 +236,7 @@ class TrainStep:
                                     aux=aux_zeros, examples=jnp.zeros((), jnp.float32))
             accum = jax.tree.map(lambda x: jnp.zeros((self.num_devices, *x.shape), x.dtype), per_device)
         state = TrainState(step=zero, micro_step=zero, params=params, opt_state=self.optimizer.init(params),
-                           model_state=model_state, rng=key, accum=None)
+                           model_state=model_state, rng=key, skipped=zero, skip_streak=zero, accum=None)
         if stacked:
             state = jax.tree.map(lambda x: jnp.broadcast_to(x, (self.num_devices, *x.shape)), state)
         return state.replace(accum=accum, stacked=stacked)
@@ -373,7 +395,7 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation |
                     backend: str = "shard_map", reduction: str = "mean", lr_correction: str | None = None,
                     devices: Sequence[jax.Device] | None = None, has_aux: bool = False,
                     needs_rng: bool = False, has_state: bool = False, mask_key: str | None = "mask",
-                    accum_steps: int = 1, accum_sync: str = "every") -> TrainStep:
+                    accum_steps: int = 1, accum_sync: str = "every", skip_nonfinite: bool = False) -> TrainStep:
     """Build a data-parallel training step.
 
     Args:
@@ -402,6 +424,9 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation |
         params change on every M-th call, by the step one device would take on all M·N·b examples.
       accum_sync: "every" (optax.MultiSteps; an all-reduce on every call) or "last" (local sums;
         one all-reduce per optimizer step, on the call that applies the update).
+      skip_nonfinite: an update whose reduced gradient holds a NaN/Inf is skipped on every device
+        (params and optimizer state unchanged); `state.skipped` counts them, `state.skip_streak`
+        counts consecutive ones, and metrics report `skipped`.
 
     Returns:
       A `TrainStep`: `state = step.init(params)`, `state, metrics = step(state, batch)` where the
@@ -409,7 +434,7 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation |
     """
     return TrainStep(loss_fn, optimizer, backend=backend, reduction=reduction, lr_correction=lr_correction,
                      devices=devices, has_aux=has_aux, needs_rng=needs_rng, has_state=has_state,
-                     mask_key=mask_key, accum_steps=accum_steps,
+                     mask_key=mask_key, accum_steps=accum_steps, skip_nonfinite=skip_nonfinite,
                      accum_sync=accum_sync)
 
 
