@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -47,6 +48,14 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--stop-after", type=_positive_int, metavar="N",
                        help="stop (with a checkpoint) after N optimizer steps of this invocation; rerun to continue")
     train.add_argument("--no-progress", action="store_true", help="log lines instead of a progress bar")
+    multi = train.add_argument_group("multi-process runs (jax.distributed; --devices is then per process)")
+    multi.add_argument("--coordinator", metavar="HOST:PORT", help="address of process 0, which hosts the coordinator")
+    multi.add_argument("--num-processes", type=_positive_int, metavar="P")
+    multi.add_argument("--process-id", type=int, metavar="I", help="this process, 0..P-1")
+    multi.add_argument("--auto-distributed", action="store_true",
+                       help="detect the cluster (SLURM, Open MPI, ...) with jax.distributed.initialize()")
+    multi.add_argument("--init-timeout", type=_positive_int, default=60, metavar="S",
+                       help="seconds to wait for all processes to join (default 60)")
 
     plot = sub.add_parser("plot", help="save a PNG of a run's loss and accuracy curves",
                           description="Read DIR/metrics.jsonl and write DIR/curves.png (or --out).")
@@ -84,20 +93,42 @@ def cmd_train(args) -> int:
 
     from jdp.config import load_config
 
-    flags = {"parallel.devices": args.devices, "train.steps": args.steps, "train.log_every": args.log_every,
-             "train.checkpoint_every": args.checkpoint_every}
+    distributed = args.coordinator is not None or args.auto_distributed
+    flags = {"parallel.devices": None if distributed else args.devices, "train.steps": args.steps,
+             "train.log_every": args.log_every, "train.checkpoint_every": args.checkpoint_every}
     overrides = [*args.set, *(f"{k}={v}" for k, v in flags.items() if v is not None)]
     config = load_config(args.config, overrides)  # fails on a bad config before any device is set up
-    devices = _devices(config.parallel.devices)
+    if distributed:
+        from jdp.cpu import use_cpu_devices
+        from jdp.distributed import initialize
+
+        if config.parallel.devices:
+            raise ValueError("parallel.devices cannot be set in a multi-process run: every process's devices "
+                             "join; --devices sets each process's (fake CPU) device count.")
+        use_cpu_devices(args.devices or 1)  # CPU-only machines: fake devices per process
+        initialize(args.coordinator, args.num_processes, args.process_id, timeout_s=args.init_timeout)
+        import jax
+
+        devices = jax.devices()
+    else:
+        if args.num_processes or args.process_id is not None:
+            raise ValueError("--num-processes and --process-id need --coordinator HOST:PORT.")
+        devices = _devices(config.parallel.devices)
 
     import jax
     import numpy as np
 
-    from jdp.train import train
+    from jdp.train import NonFiniteError, train
 
     name = os.path.splitext(os.path.basename(args.config))[0] if args.config else "digits_mlp"
     workdir = args.workdir or os.path.join("runs", name)
-    result = train(config, workdir, devices=devices, progress=not args.no_progress, stop_after=args.stop_after)
+    try:
+        result = train(config, workdir, devices=devices, progress=not args.no_progress, stop_after=args.stop_after)
+    except NonFiniteError as e:
+        print(f"jdp: {e}", file=sys.stderr)
+        return 1
+    if jax.process_index():
+        return 0
     evals = "  ".join(f"{k} {v:.4f}" for k, v in result.eval.items())
     print(f"{'stopped' if result.steps < config.train.steps else 'done'} at step {result.steps} of "
           f"{config.train.steps} in {result.seconds:.1f} s" + (f"; held-out {evals}" if evals else "")
@@ -138,8 +169,45 @@ def cmd_explain(args) -> int:
     return 0
 
 
+_SUPERVISED = "JDP_SUPERVISED"
+
+
+def supervise(argv: list[str], process_id) -> int:
+    """Run this multi-process invocation in a child and explain an abnormal end in one sentence.
+
+    When a peer dies, jax's distributed runtime (or gloo) aborts the survivors from C++, where no
+    Python handler runs; the parent turns that into a message and exit code 1. SIGTERM/SIGINT are
+    forwarded, so preemption still reaches the training process.
+    """
+    import signal
+    import subprocess
+
+    def die_with_parent():  # Linux: a killed supervisor must not leave its training process behind
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+    child = subprocess.Popen([sys.executable, "-m", "jdp.cli", *argv], env={**os.environ, _SUPERVISED: "1"},
+                             preexec_fn=die_with_parent if sys.platform == "linux" else None)
+    forward = lambda signum, frame: child.send_signal(signum)  # noqa: E731
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, forward)
+    code = child.wait()
+    if code < 0 or code > 2:
+        how = signal.Signals(-code).name if code < 0 else f"exit code {code}"
+        print(f"jdp: error: process {process_id} stopped abnormally ({how}): a peer process died, lost its "
+              f"connection, or the distributed runtime failed; the checkpoints are intact, so restart every "
+              f"process with the same command to resume.", file=sys.stderr)
+        return 1
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    distributed = args.command == "train" and (args.coordinator is not None or args.auto_distributed)
+    if distributed and not os.environ.get(_SUPERVISED):
+        return supervise(argv, args.process_id)
     try:
         return {"train": cmd_train, "explain": cmd_explain, "plot": cmd_plot}[args.command](args)
     except ValueError as e:  # bad input: one sentence, exit code 2, no traceback

@@ -50,7 +50,7 @@ DIGITS_EXAMPLES = 1797  # scikit-learn's bundled digits, before the train/test s
 SEED_EXAMPLES = {1: 4, 2: 8}  # examples of DESIGN.md's seed regressions
 # Fields left out of `config_hash`: they may change between runs of the same training.
 HASH_EXCLUDED = ("data.eval_batch_size", "parallel.devices", "train.log_every", "train.eval_every",
-                 "train.checkpoint_every", "train.keep_checkpoints")
+                 "train.checkpoint_every", "train.keep_checkpoints", "train.max_nonfinite")
 
 
 class ConfigError(ValueError):
@@ -276,13 +276,16 @@ class TrainConfig(_Section):
     """Checkpoint every this many optimizer steps; 0: only at the end."""
     keep_checkpoints: int = 3
     """The most recent checkpoints kept on disk."""
+    max_nonfinite: int = 3
+    """Skip updates with NaN/Inf gradients, stopping after this many in a row; 0: never skip.
+    Unavailable (never skips) with parallel.accum_sync=every and accum_steps > 1."""
     seed: int = 0
     """Seeds the params' initialisation, the data order and the dropout keys."""
 
     _section: ClassVar[str] = "train"
     _rules: ClassVar[dict[str, _Rule]] = dict(
         steps=_POSITIVE_INT, log_every=_POSITIVE_INT, eval_every=_COUNT, checkpoint_every=_COUNT,
-        keep_checkpoints=_POSITIVE_INT, seed=_COUNT)
+        keep_checkpoints=_POSITIVE_INT, max_nonfinite=_COUNT, seed=_COUNT)
 
 
 SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig,

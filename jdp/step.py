@@ -62,6 +62,10 @@ class TrainStep:
         self.mesh = make_mesh(devices)
         self.devices = list(self.mesh.devices.flat)
         self.num_devices = len(self.devices)
+        self.local_devices = len(self.mesh.local_devices)  # this process's share of the mesh
+        self.multi_process = jax.process_count() > 1
+        if self.multi_process and backend == "pmap":
+            raise ValueError("multi-process runs need backend='shard_map'; pmap feeds process-local devices only.")
         self.lr_correction = _resolve_lr_correction(reduction, lr_correction, optimizer)
         self.optimizer = _corrected_optimizer(optimizer, self.lr_correction, self.num_devices)
         # With accum_sync="last", gradients wait in per-device sums until the M-th call.
@@ -275,19 +279,27 @@ class TrainStep:
         return jax.eval_shape(self._loss_and_extras, params, model_state, local, key)[1][0]
 
     def shard_batch(self, batch):
-        """Validate a global (micro-)batch (leading axis N·b on every leaf) and place it on the devices."""
-        n = self.num_devices
+        """Validate a global (micro-)batch (leading axis N·b on every leaf) and place it on the devices.
+
+        In a multi-process run each process passes its own contiguous slice (its local devices × b
+        rows); the slices form one global array.
+        """
+        n = self.local_devices
         size = _batch_size(batch)
         if size % n:
-            raise ValueError(f"global batch size {size} does not divide evenly across {n} devices; "
+            where = f"this process's {n} devices" if self.multi_process else f"{n} devices"
+            raise ValueError(f"global batch size {size} does not divide evenly across {where}; "
                              f"use a multiple of {n}.")
+        if self.multi_process:
+            return jax.tree.map(lambda x: jax.make_array_from_process_local_data(batch_sharded(self.mesh),
+                                                                                 np.asarray(x)), batch)
         if self.backend == "pmap":
             batch = jax.tree.map(lambda x: np.reshape(x, (n, size // n, *np.shape(x)[1:])), batch)
         return jax.device_put(batch, batch_sharded(self.mesh))
 
     def micro_batches(self, global_batch) -> list:
         """Split a global batch of M·N·b examples into the M micro-batches the calls consume, in order."""
-        size, m, n = _batch_size(global_batch), self.accum_steps, self.num_devices
+        size, m, n = _batch_size(global_batch), self.accum_steps, self.local_devices
         if size % (m * n):
             raise ValueError(f"global batch size {size} is not accum_steps × devices × b = {m} × {n} × b "
                              f"for any whole b; use a multiple of {m * n}.")

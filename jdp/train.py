@@ -1,8 +1,10 @@
 """The training loop: data -> step -> logging -> evaluation -> checkpoint, in one readable function."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import time
 from dataclasses import dataclass
 
@@ -10,8 +12,9 @@ import jax
 import numpy as np
 
 from jdp.checkpoint import Checkpointer
-from jdp.config import Config, build_optimizer, run_identity, validate
+from jdp.config import Config, build_optimizer, config_hash, run_identity, validate
 from jdp.data import make_batches
+from jdp.distributed import agree, any_process
 from jdp.evaluate import evaluate, make_eval_step
 from jdp.step import get_params, make_train_step
 from jdp.tasks import build_task
@@ -26,6 +29,7 @@ class TrainResult:
 
     steps: int  # optimizer steps completed, including those of earlier runs resumed from
     resumed_from: int | None  # the checkpoint step this run started from, if any
+    preempted: bool  # stopped early by SIGTERM/SIGINT, with a checkpoint
     final_loss: float | None  # training loss (global-batch mean) of the last step of this run
     eval: dict  # metrics over the whole held-out set after the last step ({} without one)
     seconds: float  # wall time of this run's loop, compilation included
@@ -45,14 +49,41 @@ def _progress(enabled: bool, total: int, start: int):
     return bar, bar.add_task("", total=total, completed=start)
 
 
+class NonFiniteError(RuntimeError):
+    """Training stopped: too many consecutive updates had non-finite gradients."""
+
+
+class StopSignals:
+    """Turns SIGTERM/SIGINT into a request to stop after the current step (restored on exit)."""
+
+    def __init__(self):
+        self.requested = None
+
+    def __enter__(self):
+        self._old = {}
+        with contextlib.suppress(ValueError):  # signals can only be caught on the main thread
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.requested = signal.Signals(signum).name
+
+    def __exit__(self, *exc):
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+
+
 def train(config: Config, workdir: str, *, devices=None, log=print, progress: bool = True,
           stop_after: int | None = None) -> TrainResult:
     """Train `config` in `workdir`, resuming from its newest checkpoint if there is one.
 
     Writes `workdir/metrics.jsonl` (one JSON object per logged step) and orbax checkpoints under
     `workdir/checkpoints`. `stop_after` ends this run, with a checkpoint, after that many optimizer
-    steps (re-running continues bit-exactly). Raises ValueError for an invalid config or a
-    checkpoint written by a different run, before anything is written.
+    steps (re-running continues bit-exactly); so does SIGTERM/SIGINT on any process, at a step all
+    processes agree on. Raises ValueError for an invalid config or a checkpoint written by a
+    different run, before anything is written, and NonFiniteError after `train.max_nonfinite`
+    consecutive updates with NaN/Inf gradients (each skipped on every device).
     """
     # Setup: devices, task, step, data, checkpoints.
     devices = list(devices or jax.devices())
@@ -64,9 +95,16 @@ def train(config: Config, workdir: str, *, devices=None, log=print, progress: bo
     p, t = config.parallel, config.train
     task = build_task(config)
     optimizer, lr_at, lr_correction = build_optimizer(config, len(devices))
+    # Skipping needs the update in one place: not MultiSteps' accumulate-every-call mode.
+    max_nonfinite = 0 if (p.accum_steps > 1 and p.accum_sync == "every") else t.max_nonfinite
     step = make_train_step(task.loss_fn, optimizer, backend=p.backend, reduction=p.reduction,
                            lr_correction=lr_correction, devices=devices, has_aux=True, needs_rng=True,
-                           has_state=True, accum_steps=p.accum_steps, accum_sync=p.accum_sync)
+                           has_state=True, accum_steps=p.accum_steps, accum_sync=p.accum_sync,
+                           skip_nonfinite=max_nonfinite > 0)
+    # Every process must be about to run the same thing (config, data, length) before any step.
+    agree({"config": config_hash(config), "train_examples": len(task.train), "steps": t.steps,
+           "devices": len(devices)})
+    primary = jax.process_index() == 0  # writes metrics and talks; all processes checkpoint
     batches = make_batches(task.train, config.data.batch_size, seed=t.seed, drop_last=config.data.drop_last,
                            process_index=jax.process_index(), num_processes=jax.process_count())
     micro = config.data.batch_size // p.accum_steps  # an example micro-batch sizes the aux accumulator
@@ -85,17 +123,21 @@ def train(config: Config, workdir: str, *, devices=None, log=print, progress: bo
     start = resumed_from or 0
     end = t.steps if stop_after is None else min(t.steps, start + stop_after)
     os.makedirs(workdir, exist_ok=True)
-    metrics_file = open(os.path.join(workdir, "metrics.jsonl"), "a")
+    metrics_file = open(os.path.join(workdir, "metrics.jsonl"), "a") if primary else open(os.devnull, "w")
+    log = log if primary else (lambda *_: None)
     log(f"{task.description}: {start} -> {end} of {t.steps} steps on {len(devices)} {devices[0].platform} "
         f"device(s), global batch {config.data.batch_size} = {p.accum_steps} × {len(devices)} × "
         f"{config.data.batch_size // (p.accum_steps * len(devices))}, {p.backend}, reduction {p.reduction}")
 
     # The loop. The only host syncs are at log and eval steps.
-    bar, bar_task = _progress(progress, t.steps, start)
+    bar, bar_task = _progress(progress and primary, t.steps, start)
     flops_per_step = peak = None
     last_log_time, last_log_step, final_loss, eval_metrics = time.perf_counter(), start, None, {}
+    # One process alone decides nothing: the stop request is all-gathered every `check_every` steps.
+    check_every = 1 if jax.process_count() == 1 else max(1, min(t.log_every, 10))
+    preempted = False
     t0 = time.perf_counter()
-    with bar:
+    with bar, StopSignals() as signals:
         for s in range(start + 1, end + 1):
             for micro in step.micro_batches(next(batches)):
                 state, metrics = step(state, micro)
@@ -116,6 +158,12 @@ def train(config: Config, workdir: str, *, devices=None, log=print, progress: bo
                     if peak:
                         record["mfu"] = record["flops_per_s"] / (peak * len(devices))
                 final_loss, last_log_time, last_log_step = record["loss"], now, s
+                if max_nonfinite and int(m["skip_streak"]) >= max_nonfinite:
+                    raise NonFiniteError(f"training stopped at step {s}: the last {int(m['skip_streak'])} updates "
+                                         f"had non-finite gradients (train.max_nonfinite={max_nonfinite}); the "
+                                         f"newest checkpoint is from before them.")
+                if m["skipped"]:
+                    record["skipped_total"] = int(jax.device_get(state.skipped).reshape(-1)[0])
                 bar.update(bar_task, description=f"loss {record['loss']:.4f}  {record['samples_per_s']:,.0f} samples/s")
                 if not progress:
                     log(f"step {s:6d}  loss {record['loss']:.4f}  grad_norm {record['grad_norm']:.3f}  "
@@ -132,15 +180,21 @@ def train(config: Config, workdir: str, *, devices=None, log=print, progress: bo
                 metrics_file.write(json.dumps(record) + "\n")
                 metrics_file.flush()
 
-            if (t.checkpoint_every and s % t.checkpoint_every == 0) or s == end:
+            stop = s % check_every == 0 and any_process(signals.requested is not None)
+            if (t.checkpoint_every and s % t.checkpoint_every == 0) or s == end or stop:
                 checkpoints.save(s, step, state, batches.get_state(), run)
+            if stop:
+                log(f"stopping at step {s} on {signals.requested or 'a peer process signal'}; checkpoint saved, "
+                    f"rerun the same command to resume.")
+                preempted, end = True, s
+                break
 
     # Wrap up: wait for the last checkpoint write, close files.
     seconds = time.perf_counter() - t0
     checkpoints.close()
     batches.close()
     metrics_file.close()
-    return TrainResult(end, resumed_from, final_loss, eval_metrics, seconds, get_params(state))
+    return TrainResult(end, resumed_from, preempted, final_loss, eval_metrics, seconds, get_params(state))
 
 
 def step_params(step, state):

@@ -1,0 +1,173 @@
+"""Real jax.distributed processes on 127.0.0.1: equality with one process, preemption, a dying peer.
+
+Every subprocess has a timeout, so a failure can never hang the suite.
+"""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PJRT_NPROC", "NPROC")}
+COMMON = ["--set", "data.batch_size=64", "--log-every", "1", "--no-progress"]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def jdp_train(*args):
+    return [sys.executable, "-m", "jdp.cli", "train", *args, *COMMON]
+
+
+def launch(workdir, steps, processes=2, devices=2, extra=()):
+    port = free_port()
+    return [subprocess.Popen(jdp_train("--workdir", str(workdir), "--steps", str(steps), "--devices", str(devices),
+                                       "--coordinator", f"127.0.0.1:{port}", "--num-processes", str(processes),
+                                       "--process-id", str(i), "--init-timeout", "30", *extra),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
+            for i in range(processes)]
+
+
+def finish(procs, timeout=240):
+    """(returncode, stdout, stderr) of each process; on a timeout every process is killed."""
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            outs.append((p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    return outs
+
+
+def trainer_pid(supervisor):
+    """The training process a multi-process `jdp train` runs under its supervisor."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        found = subprocess.run(["pgrep", "-P", str(supervisor.pid)], capture_output=True, text=True).stdout.split()
+        if found:
+            return int(found[0])
+        time.sleep(0.1)
+    raise AssertionError("the supervisor started no training process")
+
+
+def losses(workdir):
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
+
+
+def final_params(workdir):
+    ckpt = os.path.join(workdir, "checkpoints")
+    step = max(int(d) for d in os.listdir(ckpt) if d.isdigit())
+    path = os.path.join(ckpt, str(step), "state")
+    checkpointer = ocp.StandardCheckpointer()
+    one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])  # saved on another topology
+    abstract = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one_device),
+                            checkpointer.metadata(path).item_metadata)
+    return step, jax.device_get(checkpointer.restore(path, abstract)["params"])
+
+
+def flat(tree):
+    if isinstance(tree, dict):
+        return [x for k in sorted(tree) for x in flat(tree[k])]
+    if isinstance(tree, (list, tuple)):
+        return [x for v in tree for x in flat(v)]
+    return [np.asarray(tree)]
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    work = tmp_path_factory.mktemp("single")
+    r = subprocess.run(jdp_train("--workdir", str(work), "--steps", "6", "--devices", "4"), capture_output=True,
+                       text=True, env=ENV, cwd=ROOT, timeout=240)
+    assert r.returncode == 0, r.stderr
+    return work
+
+
+def test_two_processes_equal_one(tmp_path, one_process):
+    work = tmp_path / "multi"
+    for code, out, err in finish(launch(work, 6)):
+        assert code == 0, err[-2000:]
+    np.testing.assert_allclose(list(losses(work).values()), list(losses(one_process).values()), rtol=1e-6)
+    (s_multi, p_multi), (s_one, p_one) = final_params(work), final_params(one_process)
+    assert s_multi == s_one == 6
+    for a, b in zip(flat(p_multi), flat(p_one)):
+        np.testing.assert_allclose(a, b, atol=2e-6)
+
+
+def test_sigterm_on_one_process_stops_all_at_one_step_and_resumes(tmp_path):
+    work = tmp_path / "pre"
+    procs = launch(work, 2000)
+    deadline = time.monotonic() + 120
+    while not os.path.exists(work / "metrics.jsonl") or len(losses(work)) < 3:  # mid-training
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+        time.sleep(0.2)
+    procs[1].send_signal(signal.SIGTERM)  # to one process only; its supervisor forwards it
+    results = finish(procs)
+    assert [code for code, _, _ in results] == [0, 0], [err[-1500:] for _, _, err in results]
+    assert "checkpoint saved" in results[0][1]
+    stopped, _ = final_params(work)
+    assert 3 <= stopped < 2000
+    # Resume both processes for 5 more steps; compare with one process run straight to that step.
+    assert all(code == 0 for code, _, _ in finish(launch(work, 2000, extra=["--stop-after", "5"])))
+    straight = tmp_path / "straight"
+    r = subprocess.run(jdp_train("--workdir", str(straight), "--steps", "2000", "--devices", "4", "--stop-after",
+                                 str(stopped + 5)), capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=240)
+    assert r.returncode == 0, r.stderr
+    assert sorted(losses(work)) == list(range(1, stopped + 6))
+    np.testing.assert_allclose([losses(work)[k] for k in sorted(losses(work))],
+                               [losses(straight)[k] for k in sorted(losses(work))], rtol=1e-6)
+    (s1, p1), (s2, p2) = final_params(work), final_params(straight)
+    assert s1 == s2 == stopped + 5
+    for a, b in zip(flat(p1), flat(p2)):
+        np.testing.assert_allclose(a, b, atol=2e-6)
+
+
+def test_a_killed_peer_stops_the_survivor_within_60_s(tmp_path):
+    procs = launch(tmp_path / "kill", 100000, extra=["--set", "train.steps=100000"])
+    deadline = time.monotonic() + 120
+    while not os.path.exists(tmp_path / "kill" / "metrics.jsonl") or len(losses(tmp_path / "kill")) < 2:
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+        time.sleep(0.2)
+    os.kill(trainer_pid(procs[1]), signal.SIGKILL)  # the training process itself, as an OOM killer would
+    killed_at = time.monotonic()
+    (code, _, err), _ = finish(procs, timeout=90)
+    waited = time.monotonic() - killed_at
+    assert code == 1 and waited < 60, (code, waited)
+    assert "jdp: error: process 0 stopped abnormally" in err and "a peer process died" in err
+
+
+def test_unreachable_coordinator_is_a_clear_error():
+    port = free_port()
+    r = subprocess.run(jdp_train("--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", "1",
+                                 "--steps", "2", "--init-timeout", "3"), capture_output=True, text=True, env=ENV,
+                       cwd=ROOT, timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert f"the coordinator 127.0.0.1:{port} is unreachable after 3 s" in r.stderr
+
+
+def test_processes_that_disagree_stop_naming_the_difference(tmp_path):
+    port = free_port()
+    procs = [subprocess.Popen(jdp_train("--workdir", str(tmp_path / "d"), "--steps", "4", "--devices", "2",
+                                        "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+                                        "--process-id", str(i), "--set", f"optim.lr={lr}"),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
+             for i, lr in enumerate(("0.003", "0.001"))]
+    results = finish(procs, timeout=120)
+    for code, _, err in results:
+        assert code == 2, err[-1500:]
+        assert "processes disagree about the run (config: process 0" in err and "Traceback" not in err
