@@ -16,6 +16,13 @@ from jdp.state import TrainState
 from jdp.step import TrainStep
 
 
+# What orbax (and tensorstore beneath it) raise for a checkpoint it cannot read back: missing
+# items or files (KeyError, FileNotFoundError), truncated JSON (ValueError), a metadata tree of
+# another shape (ValueError), truncated array data (a bare Exception wrapping tensorstore's
+# ValueError). Reading never modifies the checkpoint.
+_UNREADABLE = Exception
+
+
 class CheckpointMismatchError(ValueError):
     """The checkpoint was written by a run with another configuration; it is left untouched."""
 
@@ -41,8 +48,13 @@ class Checkpointer:
         if keep < 1:
             raise ValueError(f"keep={keep} must be at least 1.")
         self.directory = os.path.abspath(directory)
-        self._manager = ocp.CheckpointManager(
-            self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
+        try:
+            self._manager = ocp.CheckpointManager(
+                self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
+        except OSError as e:  # a parent that is a file, no write permission, a read-only file system
+            reason = f"{e.strerror}: {e.filename!r}" if e.strerror and e.filename else str(e)
+            raise ValueError(f"checkpoint directory {self.directory!r} cannot be created ({reason}); "
+                             f"use a --workdir you can write to.") from None
 
     def latest_step(self) -> int | None:
         """The newest complete checkpoint's optimizer step, or None if there is none."""
@@ -63,15 +75,34 @@ class Checkpointer:
 
     def run_info(self, step_number: int) -> dict:
         """The saved metadata ("data_state", "run") of a checkpoint."""
-        meta = self._manager.restore(step_number, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-        return meta.meta
+        try:
+            meta = self._manager.restore(step_number, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+            if not (isinstance(meta, dict) and "data_state" in meta and isinstance(meta.get("run"), dict)
+                    and "identity" in meta["run"]):
+                raise KeyError("its metadata has no 'data_state' and 'run.identity', so jdp did not write it")
+        except _UNREADABLE as e:
+            raise self._unreadable(step_number, e) from None
+        return meta
+
+    def _unreadable(self, step_number: int, error: BaseException) -> ValueError:
+        """The error for a checkpoint that orbax cannot read back (damaged, truncated or not jdp's)."""
+        seen = {id(error)}
+        while (inner := error.__cause__ or error.__context__) is not None and id(inner) not in seen:
+            error = inner  # orbax wraps tensorstore's error in a bare Exception: the root cause says most
+            seen.add(id(error))
+        text = error.args[0] if isinstance(error, KeyError) and error.args else error
+        text = (str(text).strip().splitlines() or [""])[0].rstrip(".:") or "no details"
+        text = text if len(text) <= 300 else text[:299] + "…"
+        return ValueError(f"checkpoint {step_number} in {self.directory!r} is unreadable ({type(error).__name__}: "
+                          f"{text}); remove it or use another --workdir.")
 
     def restore(self, step: TrainStep, like: TrainState, run: dict,
                 step_number: int | None = None) -> tuple[TrainState, dict, int]:
         """Restore the newest (or `step_number`) checkpoint into `step`'s layout.
 
         Returns `(state, data_state, step_number)`. Raises `CheckpointMismatchError`, naming every
-        field that differs, when the checkpoint's run identity differs from `run["identity"]`.
+        field that differs, when the checkpoint's run identity differs from `run["identity"]`, and
+        ValueError when orbax cannot read it (damaged, truncated, not jdp's); it is never modified.
         """
         step_number = self.latest_step() if step_number is None else step_number
         if step_number is None:
@@ -84,8 +115,11 @@ class Checkpointer:
                 + "; ".join(diffs) + "); use another --workdir or the original configuration.")
         canonical = step.canonical(like)
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), canonical)
-        restored = self._manager.restore(step_number, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract)))
+        try:
+            restored = self._manager.restore(step_number, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract)))
+        except _UNREADABLE as e:
+            raise self._unreadable(step_number, e) from None
         return step.place(restored.state, like), saved["data_state"], step_number
 
     def close(self) -> None:

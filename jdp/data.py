@@ -347,6 +347,8 @@ def load_arrays(path: str | os.PathLike, *, key: str = "x") -> ArrayDataset:
         raise ValueError(f"{path!r} is neither a .npz nor a .npy file.")
     if not os.path.isfile(path):
         raise ValueError(f"no such file: {path!r}.")
+    if suffix == ".npz" and not zipfile.is_zipfile(path):  # numpy would try to unpickle it, and refuse
+        raise ValueError(f"{path!r} is not a valid .npz file (it is not a zip archive, which numpy.savez writes).")
     name = key
     try:
         if suffix == ".npy":

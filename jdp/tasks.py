@@ -78,6 +78,37 @@ def _regression(w0, description, train, test) -> Task:
 
 
 SEED_INITIAL_W = {1: 1.0, 2: [0.5, -0.3]}  # DESIGN.md "Seed numbers"
+CNN_INPUT_SHAPES = ((8, 8, 1), (64,))  # per example: an 8×8 single-channel image, or its 64 pixels
+
+
+def _checked_arrays(path, model: str, x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A user's `x` (as float32) and `y` after checking that `model` can train on them; ValueError otherwise."""
+    where = f"data.path {path!r}:"
+    for name, a in (("x", x), ("y", y)):
+        if a.dtype.kind not in "biuf":
+            raise ValueError(f"{where} array {name!r} has dtype {a.dtype}; it must hold numbers (bool, int or float).")
+    if model == "linear":
+        if x.ndim > 2:
+            raise ValueError(f"{where} array 'x' has shape {x.shape}; the linear model takes shape (n,) or "
+                             f"(n, features).")
+    elif model == "cnn" and x.shape[1:] not in CNN_INPUT_SHAPES:
+        raise ValueError(f"{where} array 'x' has shape {x.shape}; the cnn takes 8×8 images of shape (n, 8, 8, 1) "
+                         f"or (n, 64).")
+    elif x.ndim < 2:
+        raise ValueError(f"{where} array 'x' has shape {x.shape}; the {model} takes one row of features per "
+                         f"example, shape (n, features...); use x[:, None] for a single feature.")
+    if y.ndim != 1:
+        raise ValueError(f"{where} array 'y' has shape {y.shape}; it must hold one "
+                         f"{'target' if model == 'linear' else 'class label'} per example, shape (n,).")
+    if model != "linear" and (y.dtype.kind not in "iu" or y.min() < 0):
+        got = f"dtype {y.dtype}" if y.dtype.kind not in "iu" else f"the negative label {y.min()}"
+        raise ValueError(f"{where} array 'y' has {got}; the {model} needs integer class labels 0, 1, 2, ...")
+    for name, a in (("x", x), ("y", y)):
+        bad = int(a.size - np.count_nonzero(np.isfinite(a))) if a.dtype.kind == "f" else 0
+        if bad:
+            raise ValueError(f"{where} array {name!r} has {bad} non-finite value{'s' * (bad > 1)} (NaN or ±inf); "
+                             f"remove or replace them: every loss and gradient they touch would be NaN.")
+    return x.astype(np.float32), y
 
 
 def build_task(config) -> Task:
@@ -102,7 +133,7 @@ def build_task(config) -> Task:
         arrays = D.load_arrays(d.path).arrays
         if set(arrays) != {"x", "y"}:
             raise ValueError(f"data.path {d.path!r} must hold exactly the arrays 'x' and 'y', got {sorted(arrays)}.")
-        x, y = arrays["x"].astype(np.float32), arrays["y"]
+        x, y = _checked_arrays(d.path, m.name, arrays["x"], arrays["y"])
         n_test = int(round(len(x) * d.test_fraction))
         order = np.random.default_rng(config.train.seed).permutation(len(x))
         train = ArrayDataset({"x": x[order[n_test:]], "y": y[order[n_test:]]})

@@ -219,8 +219,19 @@ def load_metrics(workdir: str) -> list[dict]:
     path = os.path.join(workdir, "metrics.jsonl")
     if not os.path.isfile(path):
         raise ValueError(f"{path!r} does not exist; run `jdp train ... --workdir {workdir}` first.")
+    records = []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path!r} line {number} is not JSON ({e.msg}); remove or repair that line.") from None
+            if not isinstance(record, dict) or "step" not in record:
+                raise ValueError(f"{path!r} line {number} is not a metrics record (a JSON object with a 'step').")
+            records.append(record)
+    return records
 
 
 def plot_metrics(workdir: str, path: str | None = None) -> str:

@@ -63,3 +63,10 @@ def test_workdir_that_is_a_file_is_refused(tmp_path):
     r = run_jdp("train", "--workdir", str(f), "--steps", "2")
     assert r.returncode == 2 and "exists and is not a directory" in r.stderr and "Traceback" not in r.stderr
     assert f.read_text() == "keep me"
+
+
+def test_plot_names_a_corrupt_metrics_line(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{not json\n')
+    r = run_jdp("plot", str(tmp_path))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "metrics.jsonl' line 2 is not JSON" in r.stderr
