@@ -137,7 +137,11 @@ def train(config: Config, workdir: str, *, devices=None, log=print, progress: bo
     check_every = 1 if jax.process_count() == 1 else max(1, min(t.log_every, 10))
     preempted = False
     t0 = time.perf_counter()
-    with bar, StopSignals() as signals:
+    with contextlib.ExitStack() as cleanup, bar, StopSignals() as signals:
+        # Close files and wait for the last checkpoint write even when a step raises.
+        cleanup.callback(batches.close)
+        cleanup.callback(checkpoints.close)
+        cleanup.enter_context(metrics_file)
         for s in range(start + 1, end + 1):
             for micro in step.micro_batches(next(batches)):
                 state, metrics = step(state, micro)
@@ -189,11 +193,7 @@ def train(config: Config, workdir: str, *, devices=None, log=print, progress: bo
                 preempted, end = True, s
                 break
 
-    # Wrap up: wait for the last checkpoint write, close files.
     seconds = time.perf_counter() - t0
-    checkpoints.close()
-    batches.close()
-    metrics_file.close()
     return TrainResult(end, resumed_from, preempted, final_loss, eval_metrics, seconds, get_params(state))
 
 

@@ -103,6 +103,11 @@ def test_two_processes_equal_one(tmp_path, one_process):
     for code, out, err in finish(launch(work, 6)):
         assert code == 0, err[-2000:]
     np.testing.assert_allclose(list(losses(work).values()), list(losses(one_process).values()), rtol=1e-6)
+    one_device = tmp_path / "one_device"
+    r = subprocess.run(jdp_train("--workdir", str(one_device), "--steps", "6", "--devices", "1"), capture_output=True,
+                       text=True, env=ENV, cwd=ROOT, timeout=240)
+    assert r.returncode == 0, r.stderr
+    np.testing.assert_allclose(list(losses(work).values()), list(losses(one_device).values()), rtol=1e-5)
     (s_multi, p_multi), (s_one, p_one) = final_params(work), final_params(one_process)
     assert s_multi == s_one == 6
     for a, b in zip(flat(p_multi), flat(p_one)):
@@ -171,3 +176,18 @@ def test_processes_that_disagree_stop_naming_the_difference(tmp_path):
     for code, _, err in results:
         assert code == 2, err[-1500:]
         assert "processes disagree about the run (config: process 0" in err and "Traceback" not in err
+
+
+def test_sigint_on_a_single_process_run_checkpoints_and_exits_0(tmp_path):
+    work = tmp_path / "int"
+    proc = subprocess.Popen(jdp_train("--workdir", str(work), "--steps", "2000", "--devices", "2"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
+    deadline = time.monotonic() + 120
+    while not os.path.exists(work / "metrics.jsonl") or len(losses(work)) < 3:
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    ((code, out, err),) = finish([proc])
+    assert code == 0 and "stopping at step" in out and "SIGINT" in out, err[-1500:]
+    stopped, _ = final_params(work)
+    assert stopped == max(losses(work))

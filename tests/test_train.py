@@ -1,4 +1,5 @@
 """The training loop: bit-exact resume, resume on another device count, refusal, exact evaluation."""
+import dataclasses
 import json
 import os
 
@@ -87,3 +88,21 @@ def test_evaluation_is_exact_with_a_ragged_last_batch():
                         ["accuracy"])
     np.testing.assert_allclose(got["accuracy"], logits.mean(), rtol=1e-6)
     assert 0.0 < got["accuracy"] < 0.5  # an untrained model: far from the trained 0.98, not trivially 0
+
+
+def test_consecutive_nonfinite_updates_stop_training(tmp_path, monkeypatch):
+    import jdp.train as train_module
+
+    real = train_module.build_task
+
+    def poisoned(config):  # NaN inputs get past nothing in real data (tasks refuse them): inject here
+        task = real(config)
+        x = task.train.arrays["x"].copy()
+        x[:, 0] = np.nan
+        return dataclasses.replace(task, train=type(task.train)({"x": x, "y": task.train.arrays["y"]}))
+
+    monkeypatch.setattr(train_module, "build_task", poisoned)
+    cfg = load_config(None, ["train.steps=10", "train.log_every=1", "train.max_nonfinite=2", "data.batch_size=64"])
+    with pytest.raises(train_module.NonFiniteError, match=r"stopped at step 2: the last 2 updates had non-finite "
+                                                          r"gradients \(train.max_nonfinite=2\)"):
+        run(cfg, tmp_path / "nan", 2)
