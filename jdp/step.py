@@ -284,6 +284,9 @@ class TrainStep:
         In a multi-process run each process passes its own contiguous slice (its local devices × b
         rows); the slices form one global array.
         """
+        target = batch_sharded(self.mesh)
+        if all(isinstance(x, jax.Array) and x.sharding == target for x in jax.tree.leaves(batch)):
+            return batch  # placed already (by shard_batch): pass it through untouched
         n = self.local_devices
         size = _batch_size(batch)
         if size % n:

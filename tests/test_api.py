@@ -101,3 +101,17 @@ def test_device_key_is_a_function_of_seed_step_and_device():
     got = jax.shard_map(lambda: jax.random.uniform(jdp.device_key(base, jnp.int32(7)))[None],
                         mesh=mesh, in_specs=(), out_specs=jax.sharding.PartitionSpec(jdp.DATA_AXIS))()
     np.testing.assert_allclose(np.asarray(got)[2], want)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_placed_batches_pass_through(backend):
+    """A batch from step.shard_batch is used as is (pmap once reshaped it a second time)."""
+    (batch,) = batches(1, 16)
+    ref = jdp.make_train_step(mlp_loss, optax.sgd(0.1), backend=backend, devices=jax.devices()[:4])
+    ref_state, ref_m = ref(ref.init(mlp_params()), batch)
+    step = jdp.make_train_step(mlp_loss, optax.sgd(0.1), backend=backend, devices=jax.devices()[:4])
+    placed = step.shard_batch(batch)
+    assert step.shard_batch(placed) is placed
+    state, m = step(step.init(mlp_params()), placed)
+    np.testing.assert_array_equal(jdp.get_params(state)["l0"]["w"], jdp.get_params(ref_state)["l0"]["w"])
+    assert step.trace_count == 1
