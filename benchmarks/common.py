@@ -1,0 +1,97 @@
+"""Shared pieces of `python -m benchmarks.run`: the MLP problem (numpy only, so the PyTorch
+workers can import it without jax) and the interleaved timer."""
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+GLOBAL_BATCH = 256
+BIG_MLP = (784, 1024, 1024, 10)
+
+
+def mlp_params(sizes, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
+    """[(w, b), ...] float32, w ~ N(0, 1/fan_in): the same numbers for jdp, plain JAX and PyTorch."""
+    rng = np.random.default_rng(seed)
+    return [(rng.normal(0, 1 / np.sqrt(i), (i, o)).astype(np.float32), np.zeros(o, np.float32))
+            for i, o in zip(sizes[:-1], sizes[1:])]
+
+
+def mlp_batches(sizes, count: int, global_batch: int = GLOBAL_BATCH, seed: int = 1) -> list[dict]:
+    """`count` global batches {"x": (B, in) float32, "y": (B,) int32}."""
+    rng = np.random.default_rng(seed)
+    return [{"x": rng.normal(size=(global_batch, sizes[0])).astype(np.float32),
+             "y": rng.integers(0, sizes[-1], global_batch).astype(np.int32)} for _ in range(count)]
+
+
+def param_count(sizes) -> int:
+    return int(sum(i * o + o for i, o in zip(sizes[:-1], sizes[1:])))
+
+
+def interleave(contenders: dict[str, Callable[[int], float]], steps: int, repeats: int,
+               log=print) -> dict[str, list[float]]:
+    """Time `steps` steps of each contender in turn (A, B, A, B, ...), `repeats` rounds.
+
+    Each contender is `run(n) -> seconds` for n steps, including a block_until_ready at the end
+    of its window. Returns the per-step seconds of every window, per contender.
+    """
+    times = {name: [] for name in contenders}
+    for r in range(repeats):
+        for name, run in contenders.items():
+            times[name].append(run(steps) / steps)
+        log(f"    round {r + 1}/{repeats}: " + ", ".join(f"{n} {times[n][-1] * 1e3:.1f} ms" for n in contenders))
+    return times
+
+
+def median(xs) -> float:
+    return float(statistics.median(xs))
+
+
+def summary(per_step: list[float], samples_per_step: int | None = None) -> dict:
+    """Median, min, max step time (s) of the windows, and samples/s at the median."""
+    out = {"median_step_s": median(per_step), "min_step_s": float(min(per_step)),
+           "max_step_s": float(max(per_step)), "windows": len(per_step)}
+    if samples_per_step:
+        out["samples_per_s"] = samples_per_step / out["median_step_s"]
+    return out
+
+
+def paired_ratio(num: list[float], den: list[float]) -> float:
+    """The median over rounds of num[r] / den[r] (windows timed back to back, so drift cancels)."""
+    return median([a / b for a, b in zip(num, den)])
+
+
+class Timer:
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.seconds = time.perf_counter() - self.t0
+
+
+def mlp_logits(params, x):
+    import jax
+
+    h = x
+    for k, (w, b) in enumerate(params):
+        h = h @ w + b
+        if k < len(params) - 1:
+            h = jax.nn.relu(h)
+    return h
+
+
+def mlp_loss(params, batch):
+    """Mean softmax cross-entropy of the MLP over the examples given (jdp's loss contract)."""
+    import optax
+
+    return optax.softmax_cross_entropy_with_integer_labels(mlp_logits(params, batch["x"]), batch["y"]).mean()
+
+
+def tree_bytes_per_device(tree) -> int:
+    """Bytes one device holds of a pytree of (replicated or sharded) jax arrays."""
+    import jax
+
+    return int(sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree)))

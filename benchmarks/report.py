@@ -1,0 +1,138 @@
+"""report.json, report.md and throughput.png for `python -m benchmarks.run`."""
+from __future__ import annotations
+
+import json
+import os
+
+
+def _ms(s):
+    return f"{s * 1e3:.1f}"
+
+
+def _contenders_table(contenders: dict) -> list[str]:
+    lines = ["| contender | median ms/step | min | max | samples/s (median) | windows |", "|---|---|---|---|---|---|"]
+    for name, c in contenders.items():
+        lines.append(f"| {name} | {_ms(c['median_step_s'])} | {_ms(c['min_step_s'])} | {_ms(c['max_step_s'])} | "
+                     f"{c.get('samples_per_s', 0):,.0f} | {c['windows']} |")
+    return lines
+
+
+def markdown(report: dict) -> str:
+    m = report["machine"]
+    out = [f"# jdp benchmarks ({report['mode']} run, {report['created']})", "",
+           f"Machine: {m['cpu_count']} CPUs ({m['cpu_model']}), Python {m['python']}, jax {m['jax']} / jaxlib "
+           f"{m['jaxlib']}, backend {m['backend']}, {m['devices']} × {m['device_kind']} devices, "
+           f"torch {m['torch'] or 'not installed'}, PJRT_NPROC={m['pjrt_nproc']}. Total {report['seconds']:.0f} s.", "",
+           "Contenders are timed in alternating windows with block_until_ready at the end of each; ratios are "
+           "medians over rounds of back-to-back windows. Machine-dependent: compare ratios, not absolute times.", "",
+           "## Ratios", "", "| ratio | value | target | met | what |", "|---|---|---|---|---|"]
+    for r in report["ratios"]:
+        target = "" if r["target"] is None else f"≥ {r['target']}"
+        met = "" if r["met"] is None else ("yes" if r["met"] else "**no**")
+        out.append(f"| {r['ratio']} | {r['value']:.3f} | {target} | {met} | {r['what']} |")
+    if "gpu" in report:
+        g = report["gpu"]
+        out += ["", "## GPU: bf16 GPT (UNTESTED path)", "", "| key | value |", "|---|---|"]
+        out += [f"| {k} | {v} |" for k, v in g.items()]
+    h = report.get("handwritten")
+    if h:
+        out += ["", f"## 1. jdp vs hand-written jit(shard_map) + pmean (MLP {'-'.join(map(str, h['mlp']))}, "
+                f"{h['params']:,} params, Adam fp32, global batch {h['global_batch']}, {h['devices']} devices)", ""]
+        out += _contenders_table(h["contenders"])
+        out += ["", f"First call (compile + 1 step), s: " + ", ".join(f"{k} {v:.2f}" for k, v in h["first_call_s"].items()),
+                f"Max |Δparam| vs hand-written after 4 steps: " + ", ".join(
+                    f"{k} {v:.1e}" for k, v in h["max_param_diff_vs_handwritten_after_4_steps"].items()),
+                "Pre-placed batches: " + ", ".join(f"{k} = {v}" for k, v in h["placed_batch"].items())]
+    d = report.get("ddp")
+    if d:
+        out += ["", "## 2. jdp vs PyTorch DDP", ""]
+        if "skipped" in d:
+            out.append(f"Skipped: {d['skipped']}.")
+        else:
+            out += [f"torch {d['torch']}, {d['ddp']}; MLP {'-'.join(map(str, d['mlp']))}.", ""]
+            out += _contenders_table(d["contenders"])
+    t = report.get("train_loop")
+    if t:
+        out += ["", f"## 3. Host loop: jdp.train.train vs the compiled step alone ({t['task']}, hidden "
+                f"{t['mlp_hidden']}, global batch {t['global_batch']}, {t['devices']} devices)", "",
+                "| loop | samples/s (median) | rounds |", "|---|---|---|",
+                f"| jdp.train.train (first log interval excluded) | {t['train_loop_samples_per_s']:,.0f} | "
+                + ", ".join(f"{x:,.0f}" for x in t["train_loop_rounds"]) + " |",
+                f"| step alone, pre-staged batches | {t['step_alone_samples_per_s']:,.0f} | "
+                + ", ".join(f"{x:,.0f}" for x in t["step_alone_rounds"]) + " |", "",
+                "train() wall time per round incl. compile, eval, checkpoint: "
+                + ", ".join(f"{x:.1f} s" for x in t["train_wall_s_incl_compile_eval_checkpoint"])]
+    a = report.get("accum")
+    if a:
+        out += ["", f"## 4. Accumulation (M = {a['accum_steps']}, MLP {'-'.join(map(str, a['mlp']))}, global batch "
+                f"{a['global_batch']})", "",
+                "| accum_sync | median ms / optimizer step | gradient all-reduces / update | all-reduce bytes / update "
+                "| ring bytes / device | gradient bytes |", "|---|---|---|---|---|---|"]
+        for sync, x in a["modes"].items():
+            out.append(f"| {sync} | {_ms(x['median_step_s'])} | {x['gradient_allreduces_per_update']} | "
+                       f"{x['allreduce_bytes_per_update']:,} | {x['ring_bytes_per_device']:,.0f} | {x['gradient_bytes']:,} |")
+    s = report.get("scaling")
+    if s:
+        out += ["", "## 5. Scaling over fake CPU devices (global batch 256, jdp shard_map, Adam fp32)", "",
+                f"Note: {s['note']}. Memory is per device, from the state's pytrees (params, Adam m and v + count); "
+                f"gradients have the params' shapes and dtype, so they are counted as equal to the params. In fp32 "
+                f"that is 4 + 4 + 4 + 4 = {s['bytes_per_param_fp32_adam']} bytes/param, the same total as seed 004's "
+                f"estimate for AdamW in mixed precision (fp32 master 4 + m 4 + v 4 + bf16 weights 2 + bf16 grads 2 = "
+                f"{s['bytes_per_param_seed004_mixed_precision_adamw']}), made of different parts. Data parallelism "
+                f"replicates all of it: per-device memory does not shrink with more devices.", "",
+                "| MLP | params | devices | median ms/step | samples/s | first call s (compile + 1 step) | "
+                "params B/dev | grads B/dev | Adam state B/dev | total B/dev | bytes/param |",
+                "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in sorted(s["rows"], key=lambda r: (r["params"], r["devices"])):
+            out.append(f"| {'-'.join(map(str, r['sizes']))} | {r['params']:,} | {r['devices']} | {_ms(r['median_step_s'])} | "
+                       f"{r['samples_per_s']:,.0f} | {r['first_call_s']:.2f} | {r['params_bytes_per_device']:,} | "
+                       f"{r['grads_bytes_per_device']:,} | {r['opt_state_bytes_per_device']:,} | "
+                       f"{r['total_bytes_per_device']:,} | {r['bytes_per_param']:.2f} |")
+        if s["errors"]:
+            out.append("")
+            out += [f"- {n} devices failed: {e}" for n, e in s["errors"].items()]
+    return "\n".join(out) + "\n"
+
+
+def plot(report: dict, path: str) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
+    rows = report.get("scaling", {}).get("rows", [])
+    for name in sorted({"-".join(map(str, r["sizes"])) for r in rows}, key=lambda n: [int(x) for x in n.split("-")]):
+        pts = sorted((r["devices"], r["samples_per_s"]) for r in rows if "-".join(map(str, r["sizes"])) == name)
+        ax1.plot(*zip(*pts), marker="o", label=f"MLP {name}")
+    ax1.set(title="jdp throughput vs fake CPU devices (global batch 256)", xlabel="devices", ylabel="samples/s",
+            xscale="log", yscale="log")
+    if rows:
+        ax1.set_xticks(sorted({r["devices"] for r in rows}), [str(d) for d in sorted({r["devices"] for r in rows})])
+        ax1.legend()
+    ratios = report.get("ratios", [])
+    xs = range(len(ratios))
+    ax2.bar(xs, [r["value"] for r in ratios],
+            color=["tab:green" if r["met"] else "tab:red" if r["met"] is False else "tab:gray" for r in ratios])
+    for x, r in zip(xs, ratios):
+        if r["target"] is not None:
+            ax2.hlines(r["target"], x - 0.4, x + 0.4, colors="black", linestyles="--")
+        ax2.text(x, r["value"], f"{r['value']:.2f}", ha="center", va="bottom")
+    ax2.set_xticks(list(xs), [r["ratio"].replace("_over_", "\n/ ") for r in ratios], fontsize=7)
+    ax2.set(title="ratios (dashed: target)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_report(report: dict, out: str) -> list[str]:
+    paths = [os.path.join(out, "report.json"), os.path.join(out, "report.md")]
+    with open(paths[0], "w") as f:
+        json.dump(report, f, indent=2, default=str)
+    with open(paths[1], "w") as f:
+        f.write(markdown(report))
+    png = plot(report, os.path.join(out, "throughput.png"))
+    return paths + ([png] if png else [])

@@ -1,0 +1,429 @@
+"""jdp's performance against plain JAX, PyTorch DDP and its own host loop, in one run.
+
+  python -m benchmarks.run                 # full run (~5-8 min on a 2-core CPU)
+  python -m benchmarks.run --quick         # small sizes, few steps (~1 min), for tests
+  python -m benchmarks.run --skip-ddp --out /tmp/bench
+
+On CPU (2 fake CPU devices, fp32, Adam, global batch 256, MLP 784-1024-1024-10 unless noted):
+
+1. jdp's step (shard_map, pmap) vs a minimal hand-written `jit(shard_map)` step with `lax.pmean`;
+   every contender gets the same batches, already placed on the devices.
+2. jdp's step vs PyTorch DistributedDataParallel (gloo, 2 processes × 1 thread); skipped if
+   torch is not installed (`pip install -e '.[bench]'`).
+3. `jdp.train.train` (the host loop: data pipeline, transfers, logging) vs the compiled step alone
+   on pre-staged batches, same task (MLP 64-1024-1024-10 on digits).
+4. Gradient accumulation, M = 4: accum_sync="every" vs "last", time per optimizer step and
+   `jdp.comm_report`.
+5. Scaling over 1, 2, 4, 8 fake devices (a fresh process each) and three model sizes: step
+   time, first-call (compile) time, bytes per device of params + grads + Adam state.
+
+Contenders are timed in alternating windows (A, B, A, B, ...) with block_until_ready at the end
+of each window; the report gives medians and ratios, never absolute targets: this machine is
+noisy. On a GPU (jax.default_backend() == "gpu") the run measures a bf16 GPT and its MFU
+instead (`benchmarks/gpu.py`, untested on a GPU).
+
+Writes OUT/report.json, OUT/report.md and OUT/throughput.png (OUT: benchmarks/results).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+from benchmarks.common import (BIG_MLP, GLOBAL_BATCH, Timer, interleave, mlp_batches, mlp_loss, mlp_params,
+                               paired_ratio, param_count, summary)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+TARGETS = {"handwritten_over_jdp_shard_map": 0.97, "handwritten_over_jdp_pmap": 0.97, "ddp_over_jdp": 2.5,
+           "train_loop_over_step": 0.95}
+ADAM_FP32_BYTES_PER_PARAM = 16  # params 4 + grads 4 + Adam m 4 + v 4 (fp32 on CPU)
+SEED004_BYTES_PER_PARAM = 16  # AdamW mixed precision: fp32 master 4 + m 4 + v 4 + bf16 weights 2 + bf16 grads 2
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How much to measure."""
+
+    sizes: tuple  # MLP of parts 1, 2 and 4
+    steps: int  # steps per timed window
+    repeats: int  # windows per contender
+    train_hidden: tuple  # part 3's MLP hidden widths (input 64: digits)
+    train_steps: int
+    train_log_every: int
+    train_repeats: int
+    accum_steps_timed: int  # optimizer steps per window in part 4
+    scaling_devices: tuple
+    scaling_sizes: tuple
+    scaling_steps: int
+    scaling_repeats: int
+
+
+FULL = Plan(sizes=BIG_MLP, steps=20, repeats=9, train_hidden=(1024, 1024), train_steps=150, train_log_every=25,
+            train_repeats=3, accum_steps_timed=5, scaling_devices=(1, 2, 4, 8),
+            scaling_sizes=((784, 256, 256, 10), BIG_MLP, (784, 2048, 2048, 10)), scaling_steps=5,
+            scaling_repeats=3)
+QUICK = Plan(sizes=(784, 256, 256, 10), steps=5, repeats=3, train_hidden=(256, 256), train_steps=30,
+             train_log_every=5, train_repeats=2, accum_steps_timed=2, scaling_devices=(1, 2),
+             scaling_sizes=((784, 256, 256, 10),), scaling_steps=3, scaling_repeats=2)
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def machine_info() -> dict:
+    import jax
+    import jaxlib
+
+    try:
+        import torch
+        torch_version = torch.__version__
+    except ImportError:
+        torch_version = None
+    d = jax.devices()[0]
+    cpu_model = ""
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            cpu_model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    return {"cpu_count": os.cpu_count(), "cpu_model": cpu_model, "python": platform.python_version(),
+            "jax": jax.__version__, "jaxlib": jaxlib.__version__, "backend": jax.default_backend(),
+            "device_kind": d.device_kind, "devices": jax.device_count(), "torch": torch_version,
+            "pjrt_nproc": os.environ.get("PJRT_NPROC")}
+
+
+def _window(step_once, state_box, placed, sync):
+    """run(n): n calls of step_once on the placed batches, then block on the state."""
+    def run(n):
+        with Timer() as t:
+            for i in range(n):
+                state_box[0] = step_once(state_box[0], placed[i % len(placed)])
+            sync(state_box[0])
+        return t.seconds
+    return run
+
+
+def bench_handwritten(plan: Plan) -> dict:
+    """Part 1: jdp (shard_map, pmap) vs a minimal hand-written jit(shard_map) + pmean step."""
+    import jax
+    import numpy as np
+    import optax
+    from jax import lax
+    from jax.sharding import PartitionSpec as P
+
+    import jdp
+
+    sizes = plan.sizes
+    params, batches = mlp_params(sizes), mlp_batches(sizes, 8)
+    sm = jdp.make_train_step(mlp_loss, optax.adam(1e-3), backend="shard_map")
+    pm = jdp.make_train_step(mlp_loss, optax.adam(1e-3), backend="pmap")
+    placed = [sm.shard_batch(b) for b in batches]  # global arrays, split over the "data" axis
+
+    def buffers(tree):
+        return [s.data.unsafe_buffer_pointer() for x in jax.tree.leaves(tree) for s in x.addressable_shards]
+
+    # Does the step take already-placed arrays as they are? shard_batch is what __call__ applies.
+    sm_no_copy = all(a is b for a, b in zip(jax.tree.leaves(sm.shard_batch(placed[0])), jax.tree.leaves(placed[0])))
+    pm_again = pm.shard_batch(placed[0])
+    pm_no_copy = buffers(pm_again) == buffers(placed[0])
+    pm_own = pm.shard_batch(batches[0])
+    pm_own_again_shape = list(pm.shard_batch(pm_own)["x"].shape)
+
+    tx = optax.adam(1e-3)
+    mesh = sm.mesh
+
+    def hand_step(ps, opt, batch):
+        loss, g = jax.value_and_grad(mlp_loss)(ps, batch)
+        g = lax.pmean(g, "data")
+        updates, opt = tx.update(g, opt, ps)
+        return optax.apply_updates(ps, updates), opt, lax.pmean(loss, "data")
+
+    hand = jax.jit(jax.shard_map(hand_step, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P(), P()),
+                                 check_vma=False), donate_argnums=(0, 1))
+    rep = jdp.replicated(mesh)
+    hp = jax.device_put(jax.tree.map(np.asarray, params), rep)
+    hand_box = [(hp, jax.jit(tx.init, out_shardings=rep)(hp))]
+
+    def hand_once(s, batch):
+        ps, opt, _ = hand(s[0], s[1], batch)
+        return ps, opt
+
+    sm_box, pm_box = [sm.init(params)], [pm.init(params)]
+    runners = {"handwritten": _window(hand_once, hand_box, placed, jax.block_until_ready),
+               "jdp_shard_map": _window(lambda s, b: sm(s, b)[0], sm_box, placed, jax.block_until_ready),
+               "jdp_pmap": _window(lambda s, b: pm(s, b)[0], pm_box, placed, jax.block_until_ready)}
+    first = {}
+    for name, run in runners.items():
+        first[name] = run(1)
+        run(3)
+    # Same data, same init: after the same steps the three should agree (a sanity check).
+    diffs = {name: float(max(np.max(np.abs(np.asarray(a) - np.asarray(b)))
+                         for a, b in zip(jax.tree.leaves(jdp.get_params(box[0])), jax.tree.leaves(
+                             jax.device_get(hand_box[0][0])))))
+             for name, box in (("jdp_shard_map", sm_box), ("jdp_pmap", pm_box))}
+    log(f"  part 1: MLP {'-'.join(map(str, sizes))}, {plan.repeats} rounds of {plan.steps} steps")
+    times = interleave(runners, plan.steps, plan.repeats, log=log)
+    return {"mlp": list(sizes), "params": param_count(sizes), "global_batch": GLOBAL_BATCH, "devices": sm.num_devices,
+            "first_call_s": first, "contenders": {n: summary(t, GLOBAL_BATCH) for n, t in times.items()},
+            "ratio_handwritten_over_jdp_shard_map": paired_ratio(times["handwritten"], times["jdp_shard_map"]),
+            "ratio_handwritten_over_jdp_pmap": paired_ratio(times["handwritten"], times["jdp_pmap"]),
+            "max_param_diff_vs_handwritten_after_4_steps": diffs,
+            "placed_batch": {"shard_map_takes_placed_arrays_without_copy": sm_no_copy,
+                             "pmap_takes_placed_global_arrays_without_copy": pm_no_copy,
+                             "pmap_shard_batch_output_shape": list(pm_own["x"].shape),
+                             "pmap_shard_batch_output_passed_again_becomes_shape": pm_own_again_shape}}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class DDP:
+    """Two PyTorch DDP ranks (benchmarks/ddp_worker.py), driven over stdin/stdout."""
+
+    def __init__(self, sizes, world: int = 2):
+        port = _free_port()
+        env = {k: v for k, v in os.environ.items() if k not in ("PJRT_NPROC", "NPROC", "XLA_FLAGS")}
+        env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""))
+        self.procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.ddp_worker", str(r), str(world), str(port),
+                                        ",".join(map(str, sizes)), str(GLOBAL_BATCH)], cwd=ROOT, env=env,
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                      for r in range(world)]
+        for p in self.procs:
+            line = p.stdout.readline()
+            if line.strip() != "ready":
+                self.close()
+                raise RuntimeError(f"a DDP worker did not start (said {line!r}, exit code {p.poll()})")
+
+    def run(self, n: int) -> float:
+        for p in self.procs:
+            p.stdin.write(f"run {n}\n")
+            p.stdin.flush()
+        return max(float(p.stdout.readline().split()[1]) for p in self.procs)
+
+    def close(self):
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    p.stdin.write("stop\n")
+                    p.stdin.flush()
+                    p.wait(timeout=20)
+                except Exception:  # noqa: BLE001
+                    p.kill()
+
+
+def bench_ddp(plan: Plan) -> dict:
+    """Part 2: jdp's shard_map step vs PyTorch DDP (gloo, 2 processes, 1 thread each)."""
+    try:
+        import torch
+    except ImportError:
+        return {"skipped": "torch is not installed (pip install -e '.[bench]')"}
+    import jax
+    import optax
+
+    import jdp
+
+    sizes = plan.sizes
+    step = jdp.make_train_step(mlp_loss, optax.adam(1e-3))
+    placed = [step.shard_batch(b) for b in mlp_batches(sizes, 8)]
+    box = [step.init(mlp_params(sizes))]
+    jdp_run = _window(lambda s, b: step(s, b)[0], box, placed, jax.block_until_ready)
+    jdp_run(4)
+    try:
+        ddp = DDP(sizes)
+    except Exception as e:  # noqa: BLE001
+        return {"skipped": f"DDP workers failed: {e}"}
+    try:
+        ddp.run(2)
+        log(f"  part 2: jdp vs PyTorch {torch.__version__} DDP (gloo, 2 processes × 1 thread)")
+        times = interleave({"jdp_shard_map": jdp_run, "torch_ddp": ddp.run}, plan.steps, plan.repeats, log=log)
+    finally:
+        ddp.close()
+    return {"mlp": list(sizes), "global_batch": GLOBAL_BATCH, "torch": torch.__version__,
+            "ddp": "gloo, 2 processes, torch.set_num_threads(1), 128 examples each",
+            "contenders": {n: summary(t, GLOBAL_BATCH) for n, t in times.items()},
+            "ratio_ddp_over_jdp": paired_ratio(times["torch_ddp"], times["jdp_shard_map"])}
+
+
+def bench_train_loop(plan: Plan) -> dict:
+    """Part 3: `jdp.train.train` (host loop) vs the compiled step alone on pre-staged batches."""
+    import jax
+    import numpy as np
+
+    from jdp.config import build_optimizer, load_config
+    from jdp.step import make_train_step
+    from jdp.tasks import build_task
+    from jdp.train import load_metrics, train
+
+    overrides = [f"model.hidden={list(plan.train_hidden)}", f"data.batch_size={GLOBAL_BATCH}",
+                 f"train.steps={plan.train_steps}", f"train.log_every={plan.train_log_every}", "parallel.devices=2"]
+    config = load_config(None, overrides)
+    task = build_task(config)
+    devices = jax.devices()[:2]
+    optimizer, _, lr_correction = build_optimizer(config, len(devices))
+    p = config.parallel
+    step = make_train_step(task.loss_fn, optimizer, backend=p.backend, reduction=p.reduction,
+                           lr_correction=lr_correction, devices=devices, has_aux=True, needs_rng=True, has_state=True,
+                           accum_steps=p.accum_steps, accum_sync=p.accum_sync,
+                           skip_nonfinite=config.train.max_nonfinite > 0)
+    arrays = task.train.arrays
+    rng = np.random.default_rng(0)
+    placed = []
+    for _ in range(4):
+        idx = rng.choice(len(arrays["y"]), GLOBAL_BATCH, replace=False)
+        placed.append(step.shard_batch({k: v[idx] for k, v in arrays.items()}))
+    box = [step.init(task.params, task.model_state, seed=config.train.seed)]
+    step_run = _window(lambda s, b: step(s, b)[0], box, placed, jax.block_until_ready)
+    step_run(4)
+    window = plan.train_steps - plan.train_log_every  # the steps train() is measured over
+    train_rates, step_rates, train_seconds = [], [], []
+    log(f"  part 3: jdp.train.train ({plan.train_steps} steps, log every {plan.train_log_every}) vs the step alone "
+        f"({window} steps), {plan.train_repeats} rounds")
+    for r in range(plan.train_repeats):
+        with tempfile.TemporaryDirectory() as workdir:
+            res = train(config, workdir, devices=devices, log=lambda *a: None, progress=False)
+            records = [rec for rec in load_metrics(workdir) if "samples_per_s" in rec]
+        # The first interval holds compilation and the cost analysis; the rest is the steady loop.
+        steady = [rec["samples_per_s"] for rec in records if rec["step"] > plan.train_log_every]
+        train_rates.append(len(steady) / sum(1 / x for x in steady))  # harmonic mean = total samples / total time
+        train_seconds.append(res.seconds)
+        step_rates.append(GLOBAL_BATCH * window / step_run(window))
+        log(f"    round {r + 1}/{plan.train_repeats}: train loop {train_rates[-1]:,.0f} samples/s, "
+            f"step alone {step_rates[-1]:,.0f} samples/s")
+    from benchmarks.common import median
+    return {"task": task.description, "mlp_hidden": list(plan.train_hidden), "global_batch": GLOBAL_BATCH,
+            "devices": 2, "overrides": overrides,
+            "train_loop_samples_per_s": median(train_rates), "step_alone_samples_per_s": median(step_rates),
+            "train_loop_rounds": train_rates, "step_alone_rounds": step_rates,
+            "train_wall_s_incl_compile_eval_checkpoint": train_seconds,
+            "ratio_train_loop_over_step": paired_ratio(train_rates, step_rates)}
+
+
+def bench_accum(plan: Plan) -> dict:
+    """Part 4: accum_steps=4, accum_sync "every" vs "last": time per optimizer step and comm_report."""
+    import jax
+    import optax
+
+    import jdp
+
+    sizes, m = plan.sizes, 4
+    out, runners = {"mlp": list(sizes), "accum_steps": m, "global_batch": GLOBAL_BATCH, "modes": {}}, {}
+    for sync in ("every", "last"):
+        step = jdp.make_train_step(mlp_loss, optax.adam(1e-3), accum_steps=m, accum_sync=sync)
+        micro = [step.shard_batch(mb) for b in mlp_batches(sizes, 2) for mb in step.micro_batches(b)]
+        box = [step.init(mlp_params(sizes))]
+        report = jdp.comm_report(step, box[0], micro[0])
+        out["modes"][sync] = {"gradient_allreduces_per_update": report.gradient_allreduces_per_update,
+                              "allreduce_bytes_per_update": report.bytes_per_update,
+                              "ring_bytes_per_device": report.ring_bytes_per_device,
+                              "gradient_bytes": report.gradient_bytes, "comm_report": str(report)}
+        calls = _window(lambda s, b, step=step: step(s, b)[0], box, micro, jax.block_until_ready)
+        calls(2 * m)
+        runners[sync] = lambda n, calls=calls: calls(n * m)  # n optimizer steps = n·M calls
+    log(f"  part 4: accumulation M={m}, every vs last, {plan.repeats} rounds of {plan.accum_steps_timed} optimizer steps")
+    times = interleave(runners, plan.accum_steps_timed, plan.repeats, log=log)
+    for sync, t in times.items():
+        out["modes"][sync].update(summary(t, GLOBAL_BATCH))
+    out["ratio_every_over_last"] = paired_ratio(times["every"], times["last"])
+    return out
+
+
+def bench_scaling(plan: Plan) -> dict:
+    """Part 5: one fresh process per device count (benchmarks/scaling_worker.py)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PJRT_NPROC", "NPROC", "XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    rows, errors = [], {}
+    for n in plan.scaling_devices:
+        log(f"  part 5: {n} device(s), sizes {[s[1] for s in plan.scaling_sizes]}")
+        r = subprocess.run([sys.executable, "-m", "benchmarks.scaling_worker", str(n), str(plan.scaling_steps),
+                            str(plan.scaling_repeats), *[",".join(map(str, s)) for s in plan.scaling_sizes]],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+        lines = [line for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+        if r.returncode != 0 or not lines:
+            errors[str(n)] = (r.stderr.strip().splitlines() or ["no output"])[-1]
+            log(f"    {n} devices FAILED: {errors[str(n)]}")
+            continue
+        for row in json.loads(lines[-1][len("RESULT "):])["rows"]:
+            rows.append(row)
+            log(f"    {row['params']:,} params: {row['median_step_s'] * 1e3:.1f} ms/step, first call "
+                f"{row['first_call_s']:.2f} s, {row['bytes_per_param']:.1f} bytes/param per device")
+    return {"global_batch": GLOBAL_BATCH, "note": "strong scaling: the global batch stays 256; the fake devices "
+            "share the same CPU cores, so more devices cannot be faster here", "rows": rows, "errors": errors,
+            "bytes_per_param_fp32_adam": ADAM_FP32_BYTES_PER_PARAM,
+            "bytes_per_param_seed004_mixed_precision_adamw": SEED004_BYTES_PER_PARAM}
+
+
+def ratios_table(report: dict) -> list[dict]:
+    rows = []
+
+    def add(key, value, what):
+        if value is not None:
+            target = TARGETS.get(key)
+            rows.append({"ratio": key, "value": value, "target": target,
+                         "met": None if target is None else bool(value >= target), "what": what})
+
+    h = report.get("handwritten", {})
+    add("handwritten_over_jdp_shard_map", h.get("ratio_handwritten_over_jdp_shard_map"),
+        "hand-written jit(shard_map) step time / jdp shard_map step time (≥ 1: jdp is as fast)")
+    add("handwritten_over_jdp_pmap", h.get("ratio_handwritten_over_jdp_pmap"),
+        "hand-written jit(shard_map) step time / jdp pmap step time")
+    add("ddp_over_jdp", report.get("ddp", {}).get("ratio_ddp_over_jdp"),
+        "PyTorch DDP step time / jdp step time (> 1: jdp is faster)")
+    add("train_loop_over_step", report.get("train_loop", {}).get("ratio_train_loop_over_step"),
+        "jdp train samples/s / compiled step alone samples/s")
+    add("accum_every_over_last", report.get("accum", {}).get("ratio_every_over_last"),
+        "time per optimizer step, accum_sync every / last (M=4)")
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small sizes and few steps (~1 min)")
+    ap.add_argument("--skip-ddp", action="store_true", help="leave out the PyTorch DDP comparison")
+    ap.add_argument("--out", default=os.path.join(HERE, "results"), help="output folder (default benchmarks/results)")
+    args = ap.parse_args(argv)
+
+    import jdp.cpu
+    jdp.cpu.use_cpu_devices(2)  # affects the CPU backend only; on a GPU host jax still picks the GPUs
+    import jax
+
+    from benchmarks.report import write_report
+
+    plan = QUICK if args.quick else FULL
+    os.makedirs(args.out, exist_ok=True)
+    t0 = time.perf_counter()
+    report = {"mode": "quick" if args.quick else "full", "machine": machine_info(),
+              "created": time.strftime("%Y-%m-%d %H:%M:%S %z")}
+    log(f"benchmarks.run ({report['mode']}): {report['machine']}")
+    if jax.default_backend() == "gpu":
+        from benchmarks.gpu import gpt_benchmark
+        report["gpu"] = (gpt_benchmark(d_model=512, n_layers=8, n_heads=8, context=256, steps=5, repeats=2)
+                         if args.quick else gpt_benchmark())
+        report["gpu"]["untested_note"] = "this GPU path was written without a GPU and never run on one before"
+    else:
+        report["handwritten"] = bench_handwritten(plan)
+        report["ddp"] = {"skipped": "--skip-ddp"} if args.skip_ddp else bench_ddp(plan)
+        report["train_loop"] = bench_train_loop(plan)
+        report["accum"] = bench_accum(plan)
+        report["scaling"] = bench_scaling(plan)
+    report["ratios"] = ratios_table(report)
+    report["seconds"] = time.perf_counter() - t0
+    paths = write_report(report, args.out)
+    for r in report["ratios"]:
+        met = "" if r["met"] is None else (" (target ≥ %g: %s)" % (r["target"], "met" if r["met"] else "NOT met"))
+        log(f"{r['ratio']}: {r['value']:.3f}{met}")
+    log("wrote " + ", ".join(paths))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

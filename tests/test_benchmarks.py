@@ -1,0 +1,89 @@
+"""`python -m benchmarks.run --quick` end to end, and the GPU mode's arithmetic (on CPU).
+
+Numbers are machine-dependent: this checks that every part ran and produced positive values,
+not that any target ratio is met.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from benchmarks.gpu import gpt_benchmark, is_oom, largest_fitting, mfu, peak_flops_for
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_quick_run_writes_a_complete_report(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PJRT_NPROC", "NPROC", "JAX_NUM_CPU_DEVICES")}
+    r = subprocess.run([sys.executable, "-m", "benchmarks.run", "--quick", "--skip-ddp", "--out", str(tmp_path)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert (tmp_path / "report.md").read_text().startswith("# jdp benchmarks")
+    assert (tmp_path / "throughput.png").stat().st_size > 0
+    assert report["machine"]["devices"] == 2 and report["machine"]["cpu_count"] >= 1
+
+    h = report["handwritten"]
+    for name in ("handwritten", "jdp_shard_map", "jdp_pmap"):
+        assert h["contenders"][name]["median_step_s"] > 0
+    assert h["ratio_handwritten_over_jdp_shard_map"] > 0 and h["ratio_handwritten_over_jdp_pmap"] > 0
+    assert h["placed_batch"]["shard_map_takes_placed_arrays_without_copy"] is True
+    assert max(h["max_param_diff_vs_handwritten_after_4_steps"].values()) < 1e-4  # same step, same numbers
+    assert report["ddp"] == {"skipped": "--skip-ddp"}
+
+    t = report["train_loop"]
+    assert t["train_loop_samples_per_s"] > 0 and t["step_alone_samples_per_s"] > 0
+    assert t["ratio_train_loop_over_step"] > 0
+
+    a = report["accum"]
+    assert a["modes"]["every"]["gradient_allreduces_per_update"] == 4
+    assert a["modes"]["last"]["gradient_allreduces_per_update"] == 1
+    for mode in a["modes"].values():
+        assert mode["median_step_s"] > 0 and mode["allreduce_bytes_per_update"] > 0
+
+    rows = report["scaling"]["rows"]
+    assert {r["devices"] for r in rows} == {1, 2} and not report["scaling"]["errors"]
+    for row in rows:
+        assert row["median_step_s"] > 0 and row["first_call_s"] > 0
+        assert row["bytes_per_param"] == pytest.approx(16.0, abs=0.01)  # fp32 params + grads + Adam m, v
+
+    names = {r["ratio"] for r in report["ratios"]}
+    assert {"handwritten_over_jdp_shard_map", "handwritten_over_jdp_pmap", "train_loop_over_step",
+            "accum_every_over_last"} <= names
+    assert all(r["value"] > 0 for r in report["ratios"])
+
+
+def test_mfu_arithmetic():
+    # 3.956e13 FLOPs in 0.01 s = 3.956e15 FLOP/s = half of 8 devices × 989e12.
+    assert mfu(3.956e13, 0.01, 989e12, 8) == pytest.approx(0.5)
+    assert mfu(989e12, 1.0, 989e12, 1) == pytest.approx(1.0)
+    assert mfu(989e12, 1.0, 989e12, 2) == pytest.approx(0.5)
+    assert mfu(1e12, 1.0, None, 1) is None and mfu(1e12, 0.0, 989e12, 1) is None
+    assert peak_flops_for("NVIDIA H200") == 989e12 and peak_flops_for("NVIDIA H100 80GB HBM3") == 989e12
+    assert peak_flops_for("cpu") is None
+
+
+def test_largest_fitting_batch_steps_down_on_oom_only():
+    def attempt(batch):
+        if batch > 64:
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.2GiB")
+        return {"batch": batch}
+
+    assert largest_fitting([32, 256, 64, 128], attempt) == (64, {"batch": 64}, [256, 128])
+    assert is_oom(RuntimeError("RESOURCE_EXHAUSTED: ...")) and not is_oom(ValueError("shape mismatch"))
+    with pytest.raises(ValueError):
+        largest_fitting([8], lambda b: (_ for _ in ()).throw(ValueError("not an OOM")))
+    with pytest.raises(RuntimeError, match="no batch size fits"):
+        largest_fitting([8, 4], lambda b: (_ for _ in ()).throw(RuntimeError("RESOURCE_EXHAUSTED")))
+
+
+def test_gpu_mode_bf16_gpt_step_runs_on_cpu():
+    """The GPU path's bf16-compute step on a tiny GPT over the 8 fake CPU devices (no peak: MFU None)."""
+    out = gpt_benchmark(d_model=32, n_layers=1, n_heads=2, context=16, vocab=32, batch_candidates=(16, 8),
+                        steps=2, repeats=1, log=lambda *a: None)
+    assert out["global_batch"] == 16 and out["oom_batches"] == []
+    assert out["median_step_s"] > 0 and out["tokens_per_s"] > 0 and np.isfinite(out["final_loss"])
+    assert out["flops_per_step"] > 0 and out["mfu"] is None
