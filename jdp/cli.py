@@ -48,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--stop-after", type=_positive_int, metavar="N",
                        help="stop (with a checkpoint) after N optimizer steps of this invocation; rerun to continue")
     train.add_argument("--no-progress", action="store_true", help="log lines instead of a progress bar")
+    train.add_argument("--tensorboard", action="store_true",
+                       help="also write the logged scalars to DIR/tensorboard (needs tensorboardX)")
     multi = train.add_argument_group("multi-process runs (jax.distributed; --devices is then per process)")
     multi.add_argument("--coordinator", metavar="HOST:PORT", help="address of process 0, which hosts the coordinator")
     multi.add_argument("--num-processes", type=_positive_int, metavar="P")
@@ -123,7 +125,8 @@ def cmd_train(args) -> int:
     name = os.path.splitext(os.path.basename(args.config))[0] if args.config else "digits_mlp"
     workdir = args.workdir or os.path.join("runs", name)
     try:
-        result = train(config, workdir, devices=devices, progress=not args.no_progress, stop_after=args.stop_after)
+        result = train(config, workdir, devices=devices, progress=not args.no_progress, stop_after=args.stop_after,
+                       tensorboard=args.tensorboard)
     except NonFiniteError as e:
         print(f"jdp: {e}", file=sys.stderr)
         return 1

@@ -74,12 +74,32 @@ class StopSignals:
             signal.signal(sig, handler)
 
 
+class TensorBoard:
+    """Scalars to TensorBoard event files under `workdir/tensorboard` (needs tensorboardX)."""
+
+    def __init__(self, workdir: str):
+        try:
+            from tensorboardX import SummaryWriter
+        except ImportError:
+            raise ValueError("--tensorboard needs tensorboardX: pip install 'jdp[tensorboard]'.") from None
+        self._writer = SummaryWriter(os.path.join(workdir, "tensorboard"))
+
+    def write(self, record: dict) -> None:
+        for key, value in record.items():
+            if key != "step":
+                self._writer.add_scalar(key, value, record["step"])
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
 def train(config: Config, workdir: str, *, devices=None, log=print, progress: bool = True,
-          stop_after: int | None = None) -> TrainResult:
+          stop_after: int | None = None, tensorboard: bool = False) -> TrainResult:
     """Train `config` in `workdir`, resuming from its newest checkpoint if there is one.
 
-    Writes `workdir/metrics.jsonl` (one JSON object per logged step) and orbax checkpoints under
-    `workdir/checkpoints`. `stop_after` ends this run, with a checkpoint, after that many optimizer
+    Writes `workdir/metrics.jsonl` (one JSON object per logged step; with `tensorboard`, the same
+    scalars under `workdir/tensorboard`) and orbax checkpoints under `workdir/checkpoints`. `stop_after` ends this run, with a checkpoint, after that many optimizer
     steps (re-running continues bit-exactly); so does SIGTERM/SIGINT on any process, at a step all
     processes agree on. Raises ValueError for an invalid config or a checkpoint written by a
     different run, before anything is written, and NonFiniteError after `train.max_nonfinite`
@@ -142,6 +162,9 @@ def train(config: Config, workdir: str, *, devices=None, log=print, progress: bo
         cleanup.callback(batches.close)
         cleanup.callback(checkpoints.close)
         cleanup.enter_context(metrics_file)
+        board = TensorBoard(workdir) if tensorboard and primary else None
+        if board is not None:
+            cleanup.callback(board.close)
         for s in range(start + 1, end + 1):
             for micro in step.micro_batches(next(batches)):
                 state, metrics = step(state, micro)
@@ -183,6 +206,8 @@ def train(config: Config, workdir: str, *, devices=None, log=print, progress: bo
             if record is not None:
                 metrics_file.write(json.dumps(record) + "\n")
                 metrics_file.flush()
+                if board is not None:
+                    board.write(record)
 
             stop = s % check_every == 0 and any_process(signals.requested is not None)
             if (t.checkpoint_every and s % t.checkpoint_every == 0) or s == end or stop:

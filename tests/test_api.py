@@ -115,3 +115,21 @@ def test_placed_batches_pass_through(backend):
     state, m = step(step.init(mlp_params()), placed)
     np.testing.assert_array_equal(jdp.get_params(state)["l0"]["w"], jdp.get_params(ref_state)["l0"]["w"])
     assert step.trace_count == 1
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_pipeline_batches_split_contiguously_whatever_the_device_count(backend):
+    """The data pipeline's global batch does not depend on the device count: 1, 2, 4 or 8 devices
+    each get a contiguous block of it, and together they hold exactly that batch."""
+    import jdp.data
+
+    x = np.arange(40 * 3, dtype=np.float32).reshape(40, 3)
+    global_batch = next(jdp.data.make_batches({"x": x}, 16, seed=2, prefetch=0))
+    for n in (1, 2, 4, 8):
+        step = jdp.make_train_step(lambda p, b: (p["w"] * b["x"]).mean(), optax.sgd(0.1), backend=backend,
+                                   devices=jax.devices()[:n])
+        placed = step.shard_batch(global_batch)["x"]
+        shards = sorted(placed.addressable_shards, key=lambda s: s.device.id)
+        blocks = [np.asarray(s.data).reshape(-1, 3) for s in shards]
+        assert all(len(b) == 16 // n for b in blocks)
+        np.testing.assert_array_equal(np.concatenate(blocks), global_batch["x"])

@@ -106,3 +106,33 @@ def test_consecutive_nonfinite_updates_stop_training(tmp_path, monkeypatch):
     with pytest.raises(train_module.NonFiniteError, match=r"stopped at step 2: the last 2 updates had non-finite "
                                                           r"gradients \(train.max_nonfinite=2\)"):
         run(cfg, tmp_path / "nan", 2)
+
+
+def read_scalars(directory):
+    """{tag: [(step, value)]} from the TFRecord event files tensorboardX wrote (length, crc, data, crc)."""
+    import struct
+
+    from tensorboardX.proto.event_pb2 import Event
+
+    out = {}
+    for name in sorted(os.listdir(directory)):
+        with open(os.path.join(directory, name), "rb") as f:
+            blob = f.read()
+        at = 0
+        while at < len(blob):
+            (length,) = struct.unpack("<Q", blob[at:at + 8])
+            event = Event.FromString(blob[at + 12:at + 12 + length])
+            at += 12 + length + 4
+            for value in event.summary.value:
+                out.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return out
+
+
+def test_tensorboard_scalars(tmp_path):
+    train(config(), str(tmp_path / "tb"), devices=jax.devices()[:2], log=lambda *_: None, progress=False,
+          tensorboard=True)
+    got = read_scalars(tmp_path / "tb" / "tensorboard")
+    assert [step for step, _ in got["loss"]] == list(range(1, 7))
+    np.testing.assert_allclose([v for _, v in got["loss"]], [losses(tmp_path / "tb")[s] for s in range(1, 7)],
+                               rtol=1e-6)
+    assert "eval_accuracy" in got and "lr" in got
