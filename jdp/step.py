@@ -16,6 +16,7 @@ each device's gradients locally and all-reduces once, inside the branch that app
 from __future__ import annotations
 
 import collections
+import weakref
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
@@ -81,6 +82,7 @@ class TrainStep:
         # can starve the threads that run the steps and deadlock the all-reduce (jdp/cpu.py).
         self.max_inflight = 16 if all(d.platform == "cpu" for d in self.devices) else None
         self._inflight = collections.deque()
+        self._placed = weakref.WeakValueDictionary()  # arrays shard_batch produced, by id
         self.trace_count = 0  # how often the step was traced (= compiled); tests assert it stays 1
 
         stacked = backend == "pmap"
@@ -284,9 +286,9 @@ class TrainStep:
         In a multi-process run each process passes its own contiguous slice (its local devices × b
         rows); the slices form one global array.
         """
-        target = batch_sharded(self.mesh)
-        if all(isinstance(x, jax.Array) and x.sharding == target for x in jax.tree.leaves(batch)):
-            return batch  # placed already (by shard_batch): pass it through untouched
+        leaves = jax.tree.leaves(batch)
+        if leaves and all(self._placed.get(id(x)) is x for x in leaves):
+            return batch  # this step's shard_batch placed it already: use it as is
         n = self.local_devices
         size = _batch_size(batch)
         if size % n:
@@ -294,11 +296,15 @@ class TrainStep:
             raise ValueError(f"global batch size {size} does not divide evenly across {where}; "
                              f"use a multiple of {n}.")
         if self.multi_process:
-            return jax.tree.map(lambda x: jax.make_array_from_process_local_data(batch_sharded(self.mesh),
-                                                                                 np.asarray(x)), batch)
-        if self.backend == "pmap":
-            batch = jax.tree.map(lambda x: np.reshape(x, (n, size // n, *np.shape(x)[1:])), batch)
-        return jax.device_put(batch, batch_sharded(self.mesh))
+            placed = jax.tree.map(lambda x: jax.make_array_from_process_local_data(batch_sharded(self.mesh),
+                                                                                   np.asarray(x)), batch)
+        else:
+            if self.backend == "pmap":
+                batch = jax.tree.map(lambda x: np.reshape(x, (n, size // n, *np.shape(x)[1:])), batch)
+            placed = jax.device_put(batch, batch_sharded(self.mesh))
+        for x in jax.tree.leaves(placed):  # remembered weakly, so pre-staged batches skip this next time
+            self._placed[id(x)] = x
+        return placed
 
     def micro_batches(self, global_batch) -> list:
         """Split a global batch of M·N·b examples into the M micro-batches the calls consume, in order."""

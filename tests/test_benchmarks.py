@@ -30,7 +30,8 @@ def test_quick_run_writes_a_complete_report(tmp_path):
     for name in ("handwritten", "jdp_shard_map", "jdp_pmap"):
         assert h["contenders"][name]["median_step_s"] > 0
     assert h["ratio_handwritten_over_jdp_shard_map"] > 0 and h["ratio_handwritten_over_jdp_pmap"] > 0
-    assert h["placed_batch"]["shard_map_takes_placed_arrays_without_copy"] is True
+    assert h["placed_batch"] == {"shard_map_takes_placed_arrays_without_copy": True,
+                                 "pmap_takes_placed_arrays_without_copy": True}
     assert max(h["max_param_diff_vs_handwritten_after_4_steps"].values()) < 1e-4  # same step, same numbers
     assert report["ddp"] == {"skipped": "--skip-ddp"}
 
