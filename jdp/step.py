@@ -114,6 +114,7 @@ class TrainStep:
         key = device_key(state.rng, state.micro_step)
         updates_now = (state.micro_step + 1) % self.accum_steps == 0
         b = _batch_size(batch)  # this device's examples per call (static under tracing)
+        masked = isinstance(batch, dict) and bool(self.mask_key) and self.mask_key in batch  # static
         examples = self._real_examples(batch, b)
 
         # 1. grad: the mean loss over this device's b examples, and its gradient.
@@ -121,14 +122,15 @@ class TrainStep:
             params, state.model_state, batch, key)
         if self.local_accum:
             params, opt_state, accum, metrics, skip = self._accumulate_then_update(
-                state, grads, loss, aux, examples, b, updates_now)
+                state, grads, loss, aux, examples, b, updates_now, masked)
             model_state = state.model_state  # empty: init refuses model state with accum_sync="last"
         else:
             # 2. reduce: over N devices -> the gradient of the mean loss over all N·b examples
             #    (gradient, metrics, model state and example count in one all-reduce).
             grads, (loss, aux, model_state, examples) = reduce_step_values(
                 grads, (loss, aux, model_state, examples), self.reduction)
-            grads, loss, aux = self._over_real_examples((grads, loss, aux), examples, b)
+            if masked:  # without a mask the factor is exactly 1: skip a pass over the gradient
+                grads, loss, aux = self._over_real_examples((grads, loss, aux), examples, b)
             # 3. accumulate + update: MultiSteps (accum_steps > 1) averages the M reduced
             #    gradients and applies them on the M-th call; otherwise every call updates.
             updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
@@ -154,7 +156,7 @@ class TrainStep:
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
         return keep(params, state.params), keep(opt_state, state.opt_state), ~finite
 
-    def _accumulate_then_update(self, state, grads, loss, aux, examples, b, updates_now):
+    def _accumulate_then_update(self, state, grads, loss, aux, examples, b, updates_now, masked):
         """accum_sync="last": sum locally; on the M-th call reduce once and apply the update."""
         m = self.accum_steps
         acc = self._local_view(state.accum)
@@ -167,7 +169,8 @@ class TrainStep:
             mean_acc = jax.tree.map(lambda x: x / m, acc)
             g, (lo, au, ex) = reduce_step_values(mean_acc.grads, (mean_acc.loss, mean_acc.aux, mean_acc.examples),
                                                  self.reduction)
-            g, lo, au = self._over_real_examples((g, lo, au), ex, b)
+            if masked:
+                g, lo, au = self._over_real_examples((g, lo, au), ex, b)
             # 4. update.
             updates, opt_state = self.optimizer.update(g, state.opt_state, state.params)
             params, opt_state, skip = self._unless_nonfinite(g, state, optax.apply_updates(state.params, updates),
