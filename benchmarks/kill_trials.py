@@ -105,17 +105,10 @@ def _params(workdir: str) -> bytes:
     """The newest checkpoint's params, as raw bytes (bit-exact comparison)."""
     import jax
     import numpy as np
-    import orbax.checkpoint as ocp
 
-    ckpt = os.path.join(workdir, "checkpoints")
-    step = max(int(d) for d in os.listdir(ckpt) if d.isdigit())
-    path = os.path.join(ckpt, str(step), "state")
-    checkpointer = ocp.StandardCheckpointer()
-    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    abstract = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one),
-                            checkpointer.metadata(path).item_metadata)
-    params = jax.device_get(checkpointer.restore(path, abstract)["params"])
-    return b"".join(np.asarray(x).tobytes() for x in jax.tree.leaves(params))
+    from jdp.checkpoint import latest_params
+
+    return b"".join(np.asarray(x).tobytes() for x in jax.tree.leaves(latest_params(workdir)[1]))
 
 
 def main(argv=None) -> int:

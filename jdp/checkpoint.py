@@ -8,6 +8,7 @@ how many are kept.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
@@ -126,3 +127,21 @@ class Checkpointer:
         self._manager.wait_until_finished()
         self._manager.close()
 
+
+
+def latest_params(workdir: str) -> tuple[int, Any]:
+    """`(step, params)` of the newest complete checkpoint in `workdir/checkpoints`, as host numpy.
+
+    Reads the saved arrays onto one local device, so it works whatever device count or process
+    layout wrote them (e.g. to inspect or compare runs outside `jdp train`).
+    """
+    directory = os.path.join(workdir, "checkpoints")
+    steps = [int(d) for d in os.listdir(directory) if d.isdigit()] if os.path.isdir(directory) else []
+    if not steps:
+        raise ValueError(f"no checkpoint in {directory!r}; run `jdp train ... --workdir {workdir}` first.")
+    path = os.path.join(directory, str(max(steps)), "state")
+    checkpointer = ocp.StandardCheckpointer()
+    one_device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])  # saved on another topology
+    abstract = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one_device),
+                            checkpointer.metadata(path).item_metadata)
+    return max(steps), jax.device_get(checkpointer.restore(path, abstract)["params"])

@@ -10,10 +10,10 @@ import subprocess
 import sys
 import time
 
-import jax
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
+
+from jdp.checkpoint import latest_params
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PJRT_NPROC", "NPROC")}
@@ -70,17 +70,6 @@ def losses(workdir):
         return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
 
 
-def final_params(workdir):
-    ckpt = os.path.join(workdir, "checkpoints")
-    step = max(int(d) for d in os.listdir(ckpt) if d.isdigit())
-    path = os.path.join(ckpt, str(step), "state")
-    checkpointer = ocp.StandardCheckpointer()
-    one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])  # saved on another topology
-    abstract = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one_device),
-                            checkpointer.metadata(path).item_metadata)
-    return step, jax.device_get(checkpointer.restore(path, abstract)["params"])
-
-
 def flat(tree):
     if isinstance(tree, dict):
         return [x for k in sorted(tree) for x in flat(tree[k])]
@@ -108,7 +97,7 @@ def test_two_processes_equal_one(tmp_path, one_process):
                        text=True, env=ENV, cwd=ROOT, timeout=240)
     assert r.returncode == 0, r.stderr
     np.testing.assert_allclose(list(losses(work).values()), list(losses(one_device).values()), rtol=1e-5)
-    (s_multi, p_multi), (s_one, p_one) = final_params(work), final_params(one_process)
+    (s_multi, p_multi), (s_one, p_one) = latest_params(work), latest_params(one_process)
     assert s_multi == s_one == 6
     for a, b in zip(flat(p_multi), flat(p_one)):
         np.testing.assert_allclose(a, b, atol=2e-6)
@@ -125,7 +114,7 @@ def test_sigterm_on_one_process_stops_all_at_one_step_and_resumes(tmp_path):
     results = finish(procs)
     assert [code for code, _, _ in results] == [0, 0], [err[-1500:] for _, _, err in results]
     assert "checkpoint saved" in results[0][1]
-    stopped, _ = final_params(work)
+    stopped, _ = latest_params(work)
     assert 3 <= stopped < 2000
     # Resume both processes for 5 more steps; compare with one process run straight to that step.
     assert all(code == 0 for code, _, _ in finish(launch(work, 2000, extra=["--stop-after", "5"])))
@@ -136,7 +125,7 @@ def test_sigterm_on_one_process_stops_all_at_one_step_and_resumes(tmp_path):
     assert sorted(losses(work)) == list(range(1, stopped + 6))
     np.testing.assert_allclose([losses(work)[k] for k in sorted(losses(work))],
                                [losses(straight)[k] for k in sorted(losses(work))], rtol=1e-6)
-    (s1, p1), (s2, p2) = final_params(work), final_params(straight)
+    (s1, p1), (s2, p2) = latest_params(work), latest_params(straight)
     assert s1 == s2 == stopped + 5
     for a, b in zip(flat(p1), flat(p2)):
         np.testing.assert_allclose(a, b, atol=2e-6)
@@ -189,5 +178,5 @@ def test_sigint_on_a_single_process_run_checkpoints_and_exits_0(tmp_path):
     proc.send_signal(signal.SIGINT)
     ((code, out, err),) = finish([proc])
     assert code == 0 and "stopping at step" in out and "SIGINT" in out, err[-1500:]
-    stopped, _ = final_params(work)
+    stopped, _ = latest_params(work)
     assert stopped == max(losses(work))
