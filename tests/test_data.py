@@ -5,7 +5,7 @@ import pickle
 import numpy as np
 import pytest
 
-from jdp.data import (ArrayDataset, char_windows, load_arrays, load_char_corpus, load_digits,
+from jdp.data import (ArrayDataset, char_windows, epoch_order, load_arrays, load_char_corpus, load_digits,
                       load_seed_regression, make_batches)
 
 
@@ -79,6 +79,22 @@ def test_every_epoch_has_a_new_order():
     assert not np.array_equal(epochs[0], epochs[1]) and not np.array_equal(epochs[1], epochs[2])
     other_seed = np.concatenate([b["id"] for b in take(make_batches(ids(64), 16, seed=1), 4)])
     assert not np.array_equal(other_seed, epochs[0]) and not np.array_equal(other_seed, epochs[1])
+
+
+def test_batches_follow_the_documented_order():
+    # Global batch s of epoch e = examples epoch_order(seed, e, n)[s·G : (s+1)·G]; process p of P gets
+    # its contiguous G/P rows, and positions past n wrap to the epoch's first examples (masked 0).
+    n, g = 50, 16
+    for p in range(2):
+        it = make_batches(ids(n), g, seed=3, drop_last=False, process_index=p, num_processes=2)
+        for epoch in range(2):
+            order = epoch_order(3, epoch, n)
+            np.testing.assert_array_equal(np.sort(order), np.arange(n))
+            for step in range(4):
+                positions = step * g + p * (g // 2) + np.arange(g // 2)
+                batch = next(it)
+                np.testing.assert_array_equal(batch["id"], order[positions % n])
+                np.testing.assert_array_equal(batch["mask"], (positions < n).astype(np.float32))
 
 
 @pytest.mark.parametrize("drop_last", [True, False])
