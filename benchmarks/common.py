@@ -31,16 +31,20 @@ def param_count(sizes) -> int:
 
 
 def interleave(contenders: dict[str, Callable[[int], float]], steps: int, repeats: int,
-               log=print) -> dict[str, list[float]]:
-    """Time `steps` steps of each contender in turn (A, B, A, B, ...), `repeats` rounds.
+               log=print, seed: int = 0) -> dict[str, list[float]]:
+    """Time `steps` steps of each contender in turn, `repeats` rounds, in a new order each round.
 
     Each contender is `run(n) -> seconds` for n steps, including a block_until_ready at the end
-    of its window. Returns the per-step seconds of every window, per contender.
+    of its window. The order is shuffled per round (seeded) so that no contender always runs
+    right after the same other one. Returns the per-step seconds of every window, per contender,
+    in round order.
     """
     times = {name: [] for name in contenders}
+    rng = np.random.default_rng(seed)
+    names = list(contenders)
     for r in range(repeats):
-        for name, run in contenders.items():
-            times[name].append(run(steps) / steps)
+        for i in rng.permutation(len(names)):
+            times[names[i]].append(contenders[names[i]](steps) / steps)
         log(f"    round {r + 1}/{repeats}: " + ", ".join(f"{n} {times[n][-1] * 1e3:.1f} ms" for n in contenders))
     return times
 
@@ -61,6 +65,13 @@ def summary(per_step: list[float], samples_per_step: int | None = None) -> dict:
 def paired_ratio(num: list[float], den: list[float]) -> float:
     """The median over rounds of num[r] / den[r] (windows timed back to back, so drift cancels)."""
     return median([a / b for a, b in zip(num, den)])
+
+
+def ratio_spread(num: list[float], den: list[float]) -> dict:
+    """The per-round ratios num[r] / den[r] and their interquartile range, to show the noise."""
+    ratios = [a / b for a, b in zip(num, den)]
+    q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
+    return {"per_round": ratios, "q1": float(q1), "q3": float(q3)}
 
 
 class Timer:

@@ -23,20 +23,23 @@ def markdown(report: dict) -> str:
            f"Machine: {m['cpu_count']} CPUs ({m['cpu_model']}), Python {m['python']}, jax {m['jax']} / jaxlib "
            f"{m['jaxlib']}, backend {m['backend']}, {m['devices']} × {m['device_kind']} devices, "
            f"torch {m['torch'] or 'not installed'}, PJRT_NPROC={m['pjrt_nproc']}. Total {report['seconds']:.0f} s.", "",
-           "Contenders are timed in alternating windows with block_until_ready at the end of each; ratios are "
-           "medians over rounds of back-to-back windows. Machine-dependent: compare ratios, not absolute times.", "",
-           "## Ratios", "", "| ratio | value | target | met | what |", "|---|---|---|---|---|"]
+           "Each round times every contender once, in a shuffled order, with block_until_ready at the end of "
+           "each window; a ratio is the median over rounds of the two contenders' times in that round, and "
+           "q1–q3 is the interquartile range of those per-round ratios (the noise). Machine-dependent: compare "
+           "ratios, not absolute times.", "",
+           "## Ratios", "", "| ratio | value (median) | q1–q3 | target | met | what |", "|---|---|---|---|---|---|"]
     for r in report["ratios"]:
         target = "" if r["target"] is None else f"≥ {r['target']}"
         met = "" if r["met"] is None else ("yes" if r["met"] else "**no**")
-        out.append(f"| {r['ratio']} | {r['value']:.3f} | {target} | {met} | {r['what']} |")
+        iqr = "" if r.get("q1") is None else f"{r['q1']:.3f}–{r['q3']:.3f}"
+        out.append(f"| {r['ratio']} | {r['value']:.3f} | {iqr} | {target} | {met} | {r['what']} |")
     if "gpu" in report:
         g = report["gpu"]
         out += ["", "## GPU: bf16 GPT (UNTESTED path)", "", "| key | value |", "|---|---|"]
         out += [f"| {k} | {v} |" for k, v in g.items()]
     h = report.get("handwritten")
     if h:
-        out += ["", f"## 1. jdp vs hand-written jit(shard_map) + pmean (MLP {'-'.join(map(str, h['mlp']))}, "
+        out += ["", f"## 1. jdp vs hand-written jit(shard_map) and jax.pmap steps with pmean (MLP {'-'.join(map(str, h['mlp']))}, "
                 f"{h['params']:,} params, Adam fp32, global batch {h['global_batch']}, {h['devices']} devices)", ""]
         out += _contenders_table(h["contenders"])
         out += ["", f"First call (compile + 1 step), s: " + ", ".join(f"{k} {v:.2f}" for k, v in h["first_call_s"].items()),

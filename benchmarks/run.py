@@ -3,11 +3,13 @@
   python -m benchmarks.run                 # full run (~5-8 min on a 2-core CPU)
   python -m benchmarks.run --quick         # small sizes, few steps (~1 min), for tests
   python -m benchmarks.run --skip-ddp --out /tmp/bench
+  python -m benchmarks.run --parts handwritten,train_loop   # some parts only
 
 On CPU (2 fake CPU devices, fp32, Adam, global batch 256, MLP 784-1024-1024-10 unless noted):
 
-1. jdp's step (shard_map, pmap) vs a minimal hand-written `jit(shard_map)` step with `lax.pmean`;
-   every contender gets the same batches, already placed on the devices.
+1. jdp's step (shard_map, pmap) vs a minimal hand-written `jit(shard_map)` step with `lax.pmean`,
+   and vs a minimal hand-written `jax.pmap` step (state stacked per device, donated: the classic
+   loop); every contender gets the same batches, already placed on the devices.
 2. jdp's step vs PyTorch DistributedDataParallel (gloo, 2 processes × 1 thread); skipped if
    torch is not installed (`pip install -e '.[bench]'`).
 3. `jdp.train.train` (the host loop: data pipeline, transfers, logging) vs the compiled step alone
@@ -38,12 +40,13 @@ import time
 from dataclasses import dataclass
 
 from benchmarks.common import (BIG_MLP, GLOBAL_BATCH, Timer, interleave, mlp_batches, mlp_loss, mlp_params,
-                               paired_ratio, param_count, summary)
+                               paired_ratio, param_count, ratio_spread, summary)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-TARGETS = {"handwritten_over_jdp_shard_map": 0.97, "handwritten_over_jdp_pmap": 0.97, "ddp_over_jdp": 2.5,
-           "train_loop_over_step": 0.95}
+TARGETS = {"handwritten_over_jdp_shard_map": 0.97, "handwritten_over_jdp_pmap": 0.97,
+           "handwritten_pmap_over_jdp_pmap": 0.97, "ddp_over_jdp": 2.5, "train_loop_over_step": 0.95}
+PARTS = ("handwritten", "ddp", "train_loop", "accum", "scaling")
 ADAM_FP32_BYTES_PER_PARAM = 16  # params 4 + grads 4 + Adam m 4 + v 4 (fp32 on CPU)
 SEED004_BYTES_PER_PARAM = 16  # AdamW mixed precision: fp32 master 4 + m 4 + v 4 + bf16 weights 2 + bf16 grads 2
 
@@ -66,7 +69,7 @@ class Plan:
     scaling_repeats: int
 
 
-FULL = Plan(sizes=BIG_MLP, steps=20, repeats=9, train_hidden=(1024, 1024), train_steps=150, train_log_every=25,
+FULL = Plan(sizes=BIG_MLP, steps=20, repeats=15, train_hidden=(1024, 1024), train_steps=150, train_log_every=25,
             train_repeats=3, accum_steps_timed=5, scaling_devices=(1, 2, 4, 8),
             scaling_sizes=((784, 256, 256, 10), BIG_MLP, (784, 2048, 2048, 10)), scaling_steps=5,
             scaling_repeats=3)
@@ -135,6 +138,7 @@ def bench_handwritten(plan: Plan) -> dict:
 
     tx = optax.adam(1e-3)
     mesh = sm.mesh
+    pm_init = pm.init(params)  # the stacked (N, ...) params and Adam state the classic pmap loop keeps
 
     def hand_step(ps, opt, batch):
         loss, g = jax.value_and_grad(mlp_loss)(ps, batch)
@@ -144,6 +148,8 @@ def bench_handwritten(plan: Plan) -> dict:
 
     hand = jax.jit(jax.shard_map(hand_step, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P(), P()),
                                  check_vma=False), donate_argnums=(0, 1))
+    hand_pmap = jax.pmap(hand_step, axis_name="data", devices=pm.devices, donate_argnums=(0, 1))
+    hand_pmap_box = [(pm_init.params, pm_init.opt_state)]
     rep = jdp.replicated(mesh)
     hp = jax.device_put(jax.tree.map(np.asarray, params), rep)
     hand_box = [(hp, jax.jit(tx.init, out_shardings=rep)(hp))]
@@ -152,10 +158,15 @@ def bench_handwritten(plan: Plan) -> dict:
         ps, opt, _ = hand(s[0], s[1], batch)
         return ps, opt
 
+    def hand_pmap_once(s, batch):
+        ps, opt, _ = hand_pmap(s[0], s[1], batch)
+        return ps, opt
+
     sm_box, pm_box = [sm.init(params)], [pm.init(params)]
     runners = {"handwritten": _window(hand_once, hand_box, placed, jax.block_until_ready),
                "jdp_shard_map": _window(lambda s, b: sm(s, b)[0], sm_box, placed, jax.block_until_ready),
-               "jdp_pmap": _window(lambda s, b: pm(s, b)[0], pm_box, pm_placed, jax.block_until_ready)}
+               "jdp_pmap": _window(lambda s, b: pm(s, b)[0], pm_box, pm_placed, jax.block_until_ready),
+               "handwritten_pmap": _window(hand_pmap_once, hand_pmap_box, pm_placed, jax.block_until_ready)}
     first = {}
     for name, run in runners.items():
         first[name] = run(1)
@@ -165,12 +176,19 @@ def bench_handwritten(plan: Plan) -> dict:
                          for a, b in zip(jax.tree.leaves(jdp.get_params(box[0])), jax.tree.leaves(
                              jax.device_get(hand_box[0][0])))))
              for name, box in (("jdp_shard_map", sm_box), ("jdp_pmap", pm_box))}
+    diffs["handwritten_pmap"] = float(max(np.max(np.abs(np.asarray(a)[0] - np.asarray(b))) for a, b in zip(
+        jax.tree.leaves(hand_pmap_box[0][0]), jax.tree.leaves(jax.device_get(hand_box[0][0])))))
     log(f"  part 1: MLP {'-'.join(map(str, sizes))}, {plan.repeats} rounds of {plan.steps} steps")
     times = interleave(runners, plan.steps, plan.repeats, log=log)
     return {"mlp": list(sizes), "params": param_count(sizes), "global_batch": GLOBAL_BATCH, "devices": sm.num_devices,
             "first_call_s": first, "contenders": {n: summary(t, GLOBAL_BATCH) for n, t in times.items()},
             "ratio_handwritten_over_jdp_shard_map": paired_ratio(times["handwritten"], times["jdp_shard_map"]),
             "ratio_handwritten_over_jdp_pmap": paired_ratio(times["handwritten"], times["jdp_pmap"]),
+            "ratio_handwritten_pmap_over_jdp_pmap": paired_ratio(times["handwritten_pmap"], times["jdp_pmap"]),
+            "ratio_handwritten_over_handwritten_pmap": paired_ratio(times["handwritten"], times["handwritten_pmap"]),
+            "spread": {"handwritten_over_jdp_shard_map": ratio_spread(times["handwritten"], times["jdp_shard_map"]),
+                       "handwritten_over_jdp_pmap": ratio_spread(times["handwritten"], times["jdp_pmap"]),
+                       "handwritten_pmap_over_jdp_pmap": ratio_spread(times["handwritten_pmap"], times["jdp_pmap"])},
             "max_param_diff_vs_handwritten_after_4_steps": diffs,
             "placed_batch": {"shard_map_takes_placed_arrays_without_copy": sm_no_copy,
                              "pmap_takes_placed_arrays_without_copy": pm_no_copy}}
@@ -246,7 +264,8 @@ def bench_ddp(plan: Plan) -> dict:
     return {"mlp": list(sizes), "global_batch": GLOBAL_BATCH, "torch": torch.__version__,
             "ddp": "gloo, 2 processes, torch.set_num_threads(1), 128 examples each",
             "contenders": {n: summary(t, GLOBAL_BATCH) for n, t in times.items()},
-            "ratio_ddp_over_jdp": paired_ratio(times["torch_ddp"], times["jdp_shard_map"])}
+            "ratio_ddp_over_jdp": paired_ratio(times["torch_ddp"], times["jdp_shard_map"]),
+            "spread": {"ddp_over_jdp": ratio_spread(times["torch_ddp"], times["jdp_shard_map"])}}
 
 
 def bench_train_loop(plan: Plan) -> dict:
@@ -300,7 +319,8 @@ def bench_train_loop(plan: Plan) -> dict:
             "train_loop_samples_per_s": median(train_rates), "step_alone_samples_per_s": median(step_rates),
             "train_loop_rounds": train_rates, "step_alone_rounds": step_rates,
             "train_wall_s_incl_compile_eval_checkpoint": train_seconds,
-            "ratio_train_loop_over_step": paired_ratio(train_rates, step_rates)}
+            "ratio_train_loop_over_step": paired_ratio(train_rates, step_rates),
+            "spread": {"train_loop_over_step": ratio_spread(train_rates, step_rates)}}
 
 
 def bench_accum(plan: Plan) -> dict:
@@ -360,10 +380,14 @@ def bench_scaling(plan: Plan) -> dict:
 def ratios_table(report: dict) -> list[dict]:
     rows = []
 
+    spreads = {k: v for part in ("handwritten", "ddp", "train_loop") for k, v in
+               report.get(part, {}).get("spread", {}).items()}
+
     def add(key, value, what):
         if value is not None:
             target = TARGETS.get(key)
-            rows.append({"ratio": key, "value": value, "target": target,
+            spread = spreads.get(key, {})
+            rows.append({"ratio": key, "value": value, "target": target, "q1": spread.get("q1"), "q3": spread.get("q3"),
                          "met": None if target is None else bool(value >= target), "what": what})
 
     h = report.get("handwritten", {})
@@ -371,6 +395,10 @@ def ratios_table(report: dict) -> list[dict]:
         "hand-written jit(shard_map) step time / jdp shard_map step time (≥ 1: jdp is as fast)")
     add("handwritten_over_jdp_pmap", h.get("ratio_handwritten_over_jdp_pmap"),
         "hand-written jit(shard_map) step time / jdp pmap step time")
+    add("handwritten_pmap_over_jdp_pmap", h.get("ratio_handwritten_pmap_over_jdp_pmap"),
+        "hand-written jax.pmap step time / jdp pmap step time (the same backend by hand)")
+    add("handwritten_over_handwritten_pmap", h.get("ratio_handwritten_over_handwritten_pmap"),
+        "hand-written jit(shard_map) / hand-written jax.pmap step time: what jax.pmap itself costs")
     add("ddp_over_jdp", report.get("ddp", {}).get("ratio_ddp_over_jdp"),
         "PyTorch DDP step time / jdp step time (> 1: jdp is faster)")
     add("train_loop_over_step", report.get("train_loop", {}).get("ratio_train_loop_over_step"),
@@ -385,7 +413,14 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="small sizes and few steps (~1 min)")
     ap.add_argument("--skip-ddp", action="store_true", help="leave out the PyTorch DDP comparison")
     ap.add_argument("--out", default=os.path.join(HERE, "results"), help="output folder (default benchmarks/results)")
+    ap.add_argument("--parts", default=",".join(PARTS),
+                    help=f"comma-separated CPU parts to run (default all: {','.join(PARTS)})")
     args = ap.parse_args(argv)
+    parts = [p for p in args.parts.split(",") if p]
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown or not parts:
+        ap.error(f"--parts={args.parts!r} names no known part {unknown}; use a comma-separated subset of "
+                 f"{','.join(PARTS)}.")
 
     import jdp.cpu
     jdp.cpu.use_cpu_devices(2)  # affects the CPU backend only; on a GPU host jax still picks the GPUs
@@ -405,11 +440,13 @@ def main(argv=None) -> int:
                          if args.quick else gpt_benchmark())
         report["gpu"]["untested_note"] = "this GPU path was written without a GPU and never run on one before"
     else:
-        report["handwritten"] = bench_handwritten(plan)
-        report["ddp"] = {"skipped": "--skip-ddp"} if args.skip_ddp else bench_ddp(plan)
-        report["train_loop"] = bench_train_loop(plan)
-        report["accum"] = bench_accum(plan)
-        report["scaling"] = bench_scaling(plan)
+        benches = {"handwritten": bench_handwritten, "ddp": bench_ddp, "train_loop": bench_train_loop,
+                   "accum": bench_accum, "scaling": bench_scaling}
+        for part in PARTS:
+            if part in parts:
+                skip = part == "ddp" and args.skip_ddp
+                report[part] = {"skipped": "--skip-ddp"} if skip else benches[part](plan)
+        report["parts"] = parts
     report["ratios"] = ratios_table(report)
     report["seconds"] = time.perf_counter() - t0
     paths = write_report(report, args.out)
