@@ -9,8 +9,10 @@ On CPU (2 fake CPU devices, fp32, Adam, global batch 256, MLP 784-1024-1024-10 u
 
 1. jdp's step (shard_map, pmap) vs a minimal hand-written `jit(shard_map)` step with `lax.pmean`,
    and vs a minimal hand-written `jax.pmap` step (state stacked per device, donated: the classic
-   loop); every contender gets the same batches, already placed on the devices.
-2. jdp's step vs PyTorch DistributedDataParallel (gloo, 2 processes × 1 thread); skipped if
+   loop); every contender gets the same batches, already placed on the devices, and returns the
+   loss only (jdp with grad_norm=False); jdp with its default grad_norm metric shows its cost.
+2. jdp's step and the hand-written one vs PyTorch DistributedDataParallel (gloo, 2 processes ×
+   1 thread); skipped if
    torch is not installed (`pip install -e '.[bench]'`).
 3. `jdp.train.train` (the host loop: data pipeline, transfers, logging) vs the compiled step alone
    on pre-staged batches, same task (MLP 64-1024-1024-10 on digits).
@@ -69,8 +71,8 @@ class Plan:
     scaling_repeats: int
 
 
-FULL = Plan(sizes=BIG_MLP, steps=20, repeats=15, train_hidden=(1024, 1024), train_steps=150, train_log_every=25,
-            train_repeats=3, accum_steps_timed=5, scaling_devices=(1, 2, 4, 8),
+FULL = Plan(sizes=BIG_MLP, steps=10, repeats=30, train_hidden=(1024, 1024), train_steps=150, train_log_every=25,
+            train_repeats=5, accum_steps_timed=5, scaling_devices=(1, 2, 4, 8),
             scaling_sizes=((784, 256, 256, 10), BIG_MLP, (784, 2048, 2048, 10)), scaling_steps=5,
             scaling_repeats=3)
 QUICK = Plan(sizes=(784, 256, 256, 10), steps=5, repeats=3, train_hidden=(256, 256), train_steps=30,
@@ -113,8 +115,12 @@ def _window(step_once, state_box, placed, sync):
     return run
 
 
-def bench_handwritten(plan: Plan) -> dict:
-    """Part 1: jdp (shard_map, pmap) vs a minimal hand-written jit(shard_map) + pmean step."""
+def _handwritten(params, mesh, placed):
+    """The minimal hand-written `jit(shard_map)` + `pmean` Adam step on `mesh`, returning the loss.
+
+    Returns `(run, box, hand_step)`: its timing window over the `placed` batches, the box holding
+    its (params, Adam state), and the per-device step function (for a `jax.pmap` of it).
+    """
     import jax
     import numpy as np
     import optax
@@ -123,22 +129,7 @@ def bench_handwritten(plan: Plan) -> dict:
 
     import jdp
 
-    sizes = plan.sizes
-    params, batches = mlp_params(sizes), mlp_batches(sizes, 8)
-    sm = jdp.make_train_step(mlp_loss, optax.adam(1e-3), backend="shard_map")
-    pm = jdp.make_train_step(mlp_loss, optax.adam(1e-3), backend="pmap")
-    placed = [sm.shard_batch(b) for b in batches]  # global arrays, split over the "data" axis
-    pm_placed = [pm.shard_batch(b) for b in batches]  # pmap's layout: (devices, b, ...)
-
-    # Does each step take its own placed batches as they are? shard_batch is what __call__ applies.
-    def passes_through(step, tree):
-        return all(a is b for a, b in zip(jax.tree.leaves(step.shard_batch(tree)), jax.tree.leaves(tree)))
-
-    sm_no_copy, pm_no_copy = passes_through(sm, placed[0]), passes_through(pm, pm_placed[0])
-
     tx = optax.adam(1e-3)
-    mesh = sm.mesh
-    pm_init = pm.init(params)  # the stacked (N, ...) params and Adam state the classic pmap loop keeps
 
     def hand_step(ps, opt, batch):
         loss, g = jax.value_and_grad(mlp_loss)(ps, batch)
@@ -148,25 +139,57 @@ def bench_handwritten(plan: Plan) -> dict:
 
     hand = jax.jit(jax.shard_map(hand_step, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P(), P()),
                                  check_vma=False), donate_argnums=(0, 1))
-    hand_pmap = jax.pmap(hand_step, axis_name="data", devices=pm.devices, donate_argnums=(0, 1))
-    hand_pmap_box = [(pm_init.params, pm_init.opt_state)]
     rep = jdp.replicated(mesh)
     hp = jax.device_put(jax.tree.map(np.asarray, params), rep)
-    hand_box = [(hp, jax.jit(tx.init, out_shardings=rep)(hp))]
+    box = [(hp, jax.jit(tx.init, out_shardings=rep)(hp))]
 
-    def hand_once(s, batch):
+    def once(s, batch):
         ps, opt, _ = hand(s[0], s[1], batch)
         return ps, opt
+
+    return _window(once, box, placed, jax.block_until_ready), box, hand_step
+
+
+def bench_handwritten(plan: Plan) -> dict:
+    """Part 1: jdp (shard_map, pmap) vs a minimal hand-written jit(shard_map) + pmean step."""
+    import jax
+    import numpy as np
+    import optax
+
+    import jdp
+
+    sizes = plan.sizes
+    params, batches = mlp_params(sizes), mlp_batches(sizes, 8)
+    # The hand-written steps return the loss only; jdp does the same work with grad_norm=False.
+    # jdp_shard_map_grad_norm (the default) shows what the extra metric costs.
+    sm = jdp.make_train_step(mlp_loss, optax.adam(1e-3), backend="shard_map", grad_norm=False)
+    pm = jdp.make_train_step(mlp_loss, optax.adam(1e-3), backend="pmap", grad_norm=False)
+    sm_norm = jdp.make_train_step(mlp_loss, optax.adam(1e-3), backend="shard_map")
+    placed = [sm.shard_batch(b) for b in batches]  # global arrays, split over the "data" axis
+    pm_placed = [pm.shard_batch(b) for b in batches]  # pmap's layout: (devices, b, ...)
+
+    # Does each step take its own placed batches as they are? shard_batch is what __call__ applies.
+    def passes_through(step, tree):
+        return all(a is b for a, b in zip(jax.tree.leaves(step.shard_batch(tree)), jax.tree.leaves(tree)))
+
+    sm_no_copy, pm_no_copy = passes_through(sm, placed[0]), passes_through(pm, pm_placed[0])
+
+    pm_init = pm.init(params)  # the stacked (N, ...) params and Adam state the classic pmap loop keeps
+    hand_run, hand_box, hand_step = _handwritten(params, sm.mesh, placed)
+    hand_pmap = jax.pmap(hand_step, axis_name="data", devices=pm.devices, donate_argnums=(0, 1))
+    hand_pmap_box = [(pm_init.params, pm_init.opt_state)]
 
     def hand_pmap_once(s, batch):
         ps, opt, _ = hand_pmap(s[0], s[1], batch)
         return ps, opt
 
     sm_box, pm_box = [sm.init(params)], [pm.init(params)]
-    runners = {"handwritten": _window(hand_once, hand_box, placed, jax.block_until_ready),
+    runners = {"handwritten": hand_run,
                "jdp_shard_map": _window(lambda s, b: sm(s, b)[0], sm_box, placed, jax.block_until_ready),
                "jdp_pmap": _window(lambda s, b: pm(s, b)[0], pm_box, pm_placed, jax.block_until_ready),
-               "handwritten_pmap": _window(hand_pmap_once, hand_pmap_box, pm_placed, jax.block_until_ready)}
+               "handwritten_pmap": _window(hand_pmap_once, hand_pmap_box, pm_placed, jax.block_until_ready),
+               "jdp_shard_map_grad_norm": _window(lambda s, b: sm_norm(s, b)[0], [sm_norm.init(params)], placed,
+                                                  jax.block_until_ready)}
     first = {}
     for name, run in runners.items():
         first[name] = run(1)
@@ -186,6 +209,8 @@ def bench_handwritten(plan: Plan) -> dict:
             "ratio_handwritten_over_jdp_pmap": paired_ratio(times["handwritten"], times["jdp_pmap"]),
             "ratio_handwritten_pmap_over_jdp_pmap": paired_ratio(times["handwritten_pmap"], times["jdp_pmap"]),
             "ratio_handwritten_over_handwritten_pmap": paired_ratio(times["handwritten"], times["handwritten_pmap"]),
+            "ratio_handwritten_over_jdp_shard_map_grad_norm": paired_ratio(times["handwritten"],
+                                                                          times["jdp_shard_map_grad_norm"]),
             "spread": {"handwritten_over_jdp_shard_map": ratio_spread(times["handwritten"], times["jdp_shard_map"]),
                        "handwritten_over_jdp_pmap": ratio_spread(times["handwritten"], times["jdp_pmap"]),
                        "handwritten_pmap_over_jdp_pmap": ratio_spread(times["handwritten_pmap"], times["jdp_pmap"])},
@@ -246,11 +271,13 @@ def bench_ddp(plan: Plan) -> dict:
     import jdp
 
     sizes = plan.sizes
-    step = jdp.make_train_step(mlp_loss, optax.adam(1e-3))
+    step = jdp.make_train_step(mlp_loss, optax.adam(1e-3), grad_norm=False)  # DDP's step returns the loss only
     placed = [step.shard_batch(b) for b in mlp_batches(sizes, 8)]
     box = [step.init(mlp_params(sizes))]
     jdp_run = _window(lambda s, b: step(s, b)[0], box, placed, jax.block_until_ready)
     jdp_run(4)
+    hand_run = _handwritten(mlp_params(sizes), step.mesh, placed)[0]  # DDP against plain JAX, same run
+    hand_run(4)
     try:
         ddp = DDP(sizes)
     except Exception as e:  # noqa: BLE001
@@ -258,13 +285,15 @@ def bench_ddp(plan: Plan) -> dict:
     try:
         ddp.run(2)
         log(f"  part 2: jdp vs PyTorch {torch.__version__} DDP (gloo, 2 processes × 1 thread)")
-        times = interleave({"jdp_shard_map": jdp_run, "torch_ddp": ddp.run}, plan.steps, plan.repeats, log=log)
+        times = interleave({"jdp_shard_map": jdp_run, "torch_ddp": ddp.run, "handwritten": hand_run}, plan.steps,
+                           plan.repeats, log=log)
     finally:
         ddp.close()
     return {"mlp": list(sizes), "global_batch": GLOBAL_BATCH, "torch": torch.__version__,
             "ddp": "gloo, 2 processes, torch.set_num_threads(1), 128 examples each",
             "contenders": {n: summary(t, GLOBAL_BATCH) for n, t in times.items()},
             "ratio_ddp_over_jdp": paired_ratio(times["torch_ddp"], times["jdp_shard_map"]),
+            "ratio_ddp_over_handwritten": paired_ratio(times["torch_ddp"], times["handwritten"]),
             "spread": {"ddp_over_jdp": ratio_spread(times["torch_ddp"], times["jdp_shard_map"])}}
 
 
@@ -392,15 +421,19 @@ def ratios_table(report: dict) -> list[dict]:
 
     h = report.get("handwritten", {})
     add("handwritten_over_jdp_shard_map", h.get("ratio_handwritten_over_jdp_shard_map"),
-        "hand-written jit(shard_map) step time / jdp shard_map step time (≥ 1: jdp is as fast)")
+        "hand-written jit(shard_map) step time / jdp shard_map step time, both returning the loss only (≥ 1: jdp is as fast)")
     add("handwritten_over_jdp_pmap", h.get("ratio_handwritten_over_jdp_pmap"),
         "hand-written jit(shard_map) step time / jdp pmap step time")
     add("handwritten_pmap_over_jdp_pmap", h.get("ratio_handwritten_pmap_over_jdp_pmap"),
         "hand-written jax.pmap step time / jdp pmap step time (the same backend by hand)")
+    add("handwritten_over_jdp_shard_map_grad_norm", h.get("ratio_handwritten_over_jdp_shard_map_grad_norm"),
+        "hand-written / jdp shard_map with its default grad_norm metric: what that metric costs")
     add("handwritten_over_handwritten_pmap", h.get("ratio_handwritten_over_handwritten_pmap"),
         "hand-written jit(shard_map) / hand-written jax.pmap step time: what jax.pmap itself costs")
     add("ddp_over_jdp", report.get("ddp", {}).get("ratio_ddp_over_jdp"),
         "PyTorch DDP step time / jdp step time (> 1: jdp is faster)")
+    add("ddp_over_handwritten", report.get("ddp", {}).get("ratio_ddp_over_handwritten"),
+        "PyTorch DDP step time / hand-written jit(shard_map) step time: plain JAX's lead, same run")
     add("train_loop_over_step", report.get("train_loop", {}).get("ratio_train_loop_over_step"),
         "jdp train samples/s / compiled step alone samples/s")
     add("accum_every_over_last", report.get("accum", {}).get("ratio_every_over_last"),

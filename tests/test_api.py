@@ -43,6 +43,8 @@ def test_bad_arguments_are_rejected():
         jdp.make_train_step(mlp_loss, lambda g: g)
     with pytest.raises(ValueError, match="devices is empty"):
         jdp.make_train_step(mlp_loss, optax.sgd(0.1), devices=[])
+    with pytest.raises(ValueError, match="grad_norm='yes' must be True or False"):
+        jdp.make_train_step(mlp_loss, optax.sgd(0.1), grad_norm="yes")
     step = jdp.make_train_step(mlp_loss, optax.sgd(0.1), devices=jax.devices()[:2])
     state = step.init(mlp_params())
     with pytest.raises(ValueError, match=r"disagree on the global batch size: \[8, 10\]"):
@@ -50,6 +52,21 @@ def test_bad_arguments_are_rejected():
     pmap_step = jdp.make_train_step(mlp_loss, optax.sgd(0.1), backend="pmap", devices=jax.devices()[:2])
     with pytest.raises(ValueError, match="state was made for the shard_map backend; this step uses 'pmap'"):
         pmap_step(state, batches(1, 8)[0])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_grad_norm_is_the_reduced_gradients_norm_and_optional(backend):
+    devices = jax.devices()[:4]
+    params, batch = mlp_params(), batches(1, 16)[0]
+    with_norm = jdp.make_train_step(mlp_loss, optax.adam(1e-2), backend=backend, devices=devices)
+    without = jdp.make_train_step(mlp_loss, optax.adam(1e-2), backend=backend, devices=devices, grad_norm=False)
+    s1, m1 = with_norm(with_norm.init(params), batch)
+    s2, m2 = without(without.init(params), batch)
+    want = optax.tree.norm(jax.grad(mlp_loss)(jax.tree.map(jnp.asarray, params), batch))  # one device, whole batch
+    np.testing.assert_allclose(float(m1["grad_norm"]), float(want), rtol=1e-5)
+    assert "grad_norm" not in m2 and float(m2["loss"]) == float(m1["loss"])
+    for a, b in zip(jax.tree.leaves(jdp.get_params(s1)), jax.tree.leaves(jdp.get_params(s2))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
