@@ -7,9 +7,9 @@ devices sees exactly the examples a run on 1 device sees, in the same order.
 - Epoch `e` visits the examples in its own order: numpy's `permutation(n)` from a generator
   seeded with `SeedSequence([seed, e])`, computed once per epoch and kept (8 bytes per example).
   (grain's `MapDataset.shuffle` was the first choice, but it permutes one index per Python call:
-  about 5 ms per batch of 256 under the GIL, which a training step of 10 ms cannot hide; the
-  numpy gather takes 0.01 ms. grain's own per-epoch key, `seed + e`, would also make run
-  `seed=1` replay run `seed=0` one epoch late.)
+  2–5 ms per batch of 256 under the GIL, which a training step of 10 ms cannot hide; this
+  permutation and gather take 0.04 ms. grain's own per-epoch key, `seed + e`, would also make
+  run `seed=1` replay run `seed=0` one epoch late.)
 - Global batch `s` holds the examples at positions `[s·G, (s+1)·G)` of that order. Process `p` of
   `P` loads only rows `[p·G/P, (p+1)·G/P)` of it, positions `[(s·P + p)·G/P, (s·P + p + 1)·G/P)`.
   Only those rows are gathered; `TrainStep.shard_batch` then splits them over the devices.

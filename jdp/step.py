@@ -42,7 +42,7 @@ class TrainStep:
     """A compiled data-parallel training step. Build it with `make_train_step`."""
 
     def __init__(self, loss_fn, optimizer, *, backend, reduction, lr_correction, devices, has_aux, needs_rng,
-                 has_state, mask_key, accum_steps, accum_sync, skip_nonfinite, grad_norm=True):
+                 has_state, mask_key, accum_steps, accum_sync, skip_nonfinite, grad_norm):
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r} is not supported; use one of {BACKENDS}.")
         if reduction not in REDUCTIONS:
@@ -105,8 +105,9 @@ class TrainStep:
             # Metrics are reduced values, equal on every device: out_axes=None returns them once
             # instead of stacked (no per-call slicing). On CPU the state is not donated: jax.pmap
             # (jit of shard_map) squeezes the device axis, and with the state aliased in place XLA
-            # copies every optimizer moment in and every param out (18 copies for the benchmark
-            # MLP, +16% step time); fresh output buffers need the same peak memory and no copies.
+            # copies every optimizer moment in and every param out (20 more copies for the benchmark
+            # MLP on 2 devices, +32% step time); fresh output buffers need the same peak memory and
+            # no copies.
             self._step = jax.pmap(self._device_step, axis_name=DATA_AXIS, devices=self.devices,
                                   out_axes=(0, None), donate_argnums=() if on_cpu else 0)
 
