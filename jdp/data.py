@@ -18,14 +18,15 @@ devices sees exactly the examples a run on 1 device sees, in the same order.
 - grain's `to_iter_dataset` iterator yields the batches (optionally computed ahead in a thread)
   and counts them; `BatchIterator.get_state()` turns its count into `{"epoch", "step", ...}`.
 
-Why not grain's `IndexSampler` + `DataLoader` (DESIGN.md): `ShardOptions` shards *records*
+Why not grain's `IndexSampler` + `DataLoader`: `ShardOptions` shards *records*
 (process `p` reads records `[p·n/P, (p+1)·n/P)`, shuffled among themselves), so the global batch
 would change with the process count; and `DataLoader`'s `Batch` runs over one endless record
 stream, so batches straddle epochs and there is no per-epoch tail to drop or pad.
 
 Datasets (nothing downloads): `load_digits` (scikit-learn's bundled 8×8 digits, flat or as
 images), `load_char_corpus` + `char_windows` (a character-level text for a small GPT),
-`load_seed_regression` (DESIGN.md's seed numbers), `load_arrays` (a user's `.npz`/`.npy`).
+`load_seed_regression` (the seed regressions, `SEED_REGRESSIONS`: y = w·x, one SGD step whose
+numbers are known by hand), `load_arrays` (a user's `.npz`/`.npy`).
 """
 from __future__ import annotations
 
@@ -238,8 +239,16 @@ def make_batches(dataset: ArrayDataset | Mapping[str, np.ndarray], global_batch_
     return it
 
 
+DIGITS_EXAMPLES = 1797  # scikit-learn's bundled digits, before the train/test split
+
+
+def held_out_count(n: int, test_fraction: float) -> int:
+    """How many of `n` examples a split holds out for testing: round(n · test_fraction)."""
+    return int(round(n * test_fraction))
+
+
 def load_digits(test_fraction: float = 0.2, seed: int = 0, *, images: bool = False):
-    """scikit-learn's bundled 8×8 digits (1,797 images): a fixed, shuffled train/test split.
+    """scikit-learn's bundled 8×8 digits (DIGITS_EXAMPLES images): a fixed, shuffled train/test split.
 
     Returns `(x_train, y_train, x_test, y_test)`: x float32 in [0, 1] of shape (n, 64), or
     (n, 8, 8, 1) (height, width, channels) with `images=True`; y int32 of shape (n,).
@@ -254,7 +263,7 @@ def load_digits(test_fraction: float = 0.2, seed: int = 0, *, images: bool = Fal
         x = x.reshape(-1, 8, 8, 1)
     y = bunch.target.astype(np.int32)
     order = np.random.default_rng(seed).permutation(len(x))
-    n_test = int(round(len(x) * test_fraction))
+    n_test = held_out_count(len(x), test_fraction)
     test, train = order[:n_test], order[n_test:]
     return x[train], y[train], x[test], y[test]
 
@@ -325,22 +334,37 @@ def char_windows(tokens: np.ndarray, context_length: int, *, stride: int = 1) ->
                          "y": view(tokens[1:], context_length)[::stride]})
 
 
-def load_seed_regression(number: int) -> ArrayDataset:
-    """DESIGN.md's seed examples as `{"x", "t"}` float32 arrays, for `y = w·x` with a mean-squared error.
+@dataclass(frozen=True)
+class SeedRegression:
+    """A regression small enough to step by hand: y = w·x, mean-squared error, one SGD step from `w0`.
 
-    - `number=1`: x (4,) = [2, 3, 1, 4], t (4,) = [3, 5, 2, 6]. With w = 1, lr = 0.01, one SGD
-      step on the whole batch: grad -8.5, w → 1.085.
-    - `number=2`: x (8, 2), t (8,); with w = (0.5, -0.3), lr = 0.1, four devices of two examples:
-      mean grad (-4.15, -3.85), w → (0.915, 0.085).
+    `devices` is how many devices split the examples equally in its worked example.
     """
-    if number == 1:
-        x, t = [2.0, 3.0, 1.0, 4.0], [3.0, 5.0, 2.0, 6.0]
-    elif number == 2:
-        x = [[1, 2], [2, 1], [.5, 1.5], [1.5, .5], [3, 1], [1, 3], [2, 2], [.5, .5]]
-        t = [1, 2, .5, 1.5, 3, 1, 2.5, .5]
-    else:
+
+    x: tuple  # (n,) or (n, features)
+    t: tuple  # (n,) targets
+    w0: float | tuple  # the initial weight(s)
+    lr: float
+    devices: int
+
+
+# The seed regressions. 1: one device on the whole batch: grad -8.5, w -> 1.085; two devices,
+# [2, 3] | [1, 4]: local grads -8.0 and -9.0, mean -8.5 (w -> 1.085), sum -17.0 (w -> 1.17).
+# 2: four devices of two examples: local grads (-3.7, -3.5), (-1.7, -1.5), (-6.8, -6.0), (-4.4, -4.4),
+# mean (-4.15, -3.85) (w -> (0.915, 0.085)), sum (-16.6, -15.4) (w -> (2.16, 1.24)).
+SEED_REGRESSIONS = {
+    1: SeedRegression(x=(2.0, 3.0, 1.0, 4.0), t=(3.0, 5.0, 2.0, 6.0), w0=1.0, lr=0.01, devices=2),
+    2: SeedRegression(x=((1, 2), (2, 1), (.5, 1.5), (1.5, .5), (3, 1), (1, 3), (2, 2), (.5, .5)),
+                      t=(1, 2, .5, 1.5, 3, 1, 2.5, .5), w0=(0.5, -0.3), lr=0.1, devices=4),
+}
+
+
+def load_seed_regression(number: int) -> ArrayDataset:
+    """Seed regression `number` (1 or 2, see SEED_REGRESSIONS) as `{"x", "t"}` float32 arrays."""
+    seed = SEED_REGRESSIONS.get(number) if isinstance(number, int) else None
+    if seed is None:
         raise ValueError(f"number={number!r} names no seed example; use 1 or 2.")
-    return ArrayDataset({"x": np.array(x, np.float32), "t": np.array(t, np.float32)})
+    return ArrayDataset({"x": np.array(seed.x, np.float32), "t": np.array(seed.t, np.float32)})
 
 
 def load_arrays(path: str | os.PathLike, *, key: str = "x") -> ArrayDataset:

@@ -1,7 +1,8 @@
 """`jdp explain`: why gradients are averaged, shown by running jdp's own step on fake devices.
 
 Every number here comes from `make_train_step` on CPU devices; nothing is hard-coded. The seed
-examples (DESIGN.md, "Seed numbers") must come out as the seeds state them.
+regressions (`jdp.data.SEED_REGRESSIONS`: y = w·x, mean-squared error, one SGD step) must come out
+as worked by hand there.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jdp.data import SEED_REGRESSIONS, load_seed_regression
 from jdp.mesh import DATA_AXIS, make_mesh
 from jdp.optim import OptimizerSpec
 from jdp.reduce import mean_over_devices, sum_over_devices
@@ -69,18 +71,19 @@ def _seed(x, t, w, lr, n, backend):
     }
 
 
+def _seed_number(number: int, backend: str) -> dict:
+    seed, arrays = SEED_REGRESSIONS[number], load_seed_regression(number).arrays
+    return _seed(arrays["x"], arrays["t"], seed.w0, seed.lr, seed.devices, backend)
+
+
 def seed_single_param(backend: str = "shard_map") -> dict:
-    """Seed 1: y = w·x, MSE, w = 1, lr = 0.01, x = [2,3,1,4], t = [3,5,2,6] on 1 and 2 devices."""
-    x = np.array([2.0, 3.0, 1.0, 4.0], np.float32)
-    t = np.array([3.0, 5.0, 2.0, 6.0], np.float32)
-    return _seed(x, t, 1.0, 0.01, 2, backend)
+    """Seed regression 1 (one weight, four examples) on one device and on `SEED_REGRESSIONS[1].devices`."""
+    return _seed_number(1, backend)
 
 
 def seed_two_params(backend: str = "shard_map") -> dict:
-    """Seed 2: y = w1·x1 + w2·x2, MSE, w = (0.5, -0.3), lr = 0.1, four devices of two samples."""
-    x = np.array([[1, 2], [2, 1], [.5, 1.5], [1.5, .5], [3, 1], [1, 3], [2, 2], [.5, .5]], np.float32)
-    t = np.array([1, 2, .5, 1.5, 3, 1, 2.5, .5], np.float32)
-    return _seed(x, t, [0.5, -0.3], 0.1, 4, backend)
+    """Seed regression 2 (y = w1·x1 + w2·x2, eight examples) on one device and on `SEED_REGRESSIONS[2].devices`."""
+    return _seed_number(2, backend)
 
 
 @dataclass(frozen=True)
@@ -264,8 +267,9 @@ def render(results: dict, console=None) -> None:
     console = console or Console()
     console.print("[bold]Why average? jdp's step on fake CPU devices[/bold] "
                   f"(backend {results['backend']}, {results['seconds']} s)\n")
-    console.print(_seed_table("Seed 1: y = w·x, MSE, w = 1", results["seed_single_param"]))
-    console.print(_seed_table("Seed 2: y = w1·x1 + w2·x2, MSE, w = (0.5, -0.3)", results["seed_two_params"]))
+    one, two = results["seed_single_param"], results["seed_two_params"]
+    console.print(_seed_table(f"Seed 1: y = w·x, MSE, w = {one['w0']:g}", one))
+    console.print(_seed_table(f"Seed 2: y = w1·x1 + w2·x2, MSE, w = ({', '.join(map(str, two['w0']))})", two))
 
     rows = results["matrix"]
     ns = sorted({r["devices"] for r in rows})

@@ -77,7 +77,8 @@ def _regression(w0, description, train, test) -> Task:
     return Task({"w": np.asarray(w0, np.float32)}, (), loss_fn, metric_fn, train, test, description)
 
 
-SEED_INITIAL_W = {1: 1.0, 2: [0.5, -0.3]}  # DESIGN.md "Seed numbers"
+# The models (by config name) with non-parameter state: the cnn's BatchNorm statistics.
+MODELS_WITH_STATE = ("cnn",)
 CNN_INPUT_SHAPES = ((8, 8, 1), (64,))  # per example: an 8×8 single-channel image, or its 64 pixels
 
 
@@ -117,8 +118,8 @@ def build_task(config) -> Task:
     rngs = nnx.Rngs(config.train.seed)
     if d.name == "seed_linear":
         ds = D.load_seed_regression(d.seed_example)
-        return _regression(SEED_INITIAL_W[d.seed_example], f"linear regression, seed example {d.seed_example}",
-                           ds, None)
+        return _regression(D.SEED_REGRESSIONS[d.seed_example].w0, f"linear regression, seed example "
+                           f"{d.seed_example}", ds, None)
     if d.name == "chars":
         corpus = D.load_char_corpus()
         train = D.char_windows(corpus.train, m.context, stride=m.context // 2)
@@ -134,7 +135,7 @@ def build_task(config) -> Task:
         if set(arrays) != {"x", "y"}:
             raise ValueError(f"data.path {d.path!r} must hold exactly the arrays 'x' and 'y', got {sorted(arrays)}.")
         x, y = _checked_arrays(d.path, m.name, arrays["x"], arrays["y"])
-        n_test = int(round(len(x) * d.test_fraction))
+        n_test = D.held_out_count(len(x), d.test_fraction)
         order = np.random.default_rng(config.train.seed).permutation(len(x))
         train = ArrayDataset({"x": x[order[n_test:]], "y": y[order[n_test:]]})
         test = ArrayDataset({"x": x[order[:n_test]], "y": y[order[:n_test]]}) if n_test else None

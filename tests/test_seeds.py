@@ -1,17 +1,28 @@
-"""The seed numbers (DESIGN.md) through the public API, on both backends."""
+"""The seed regressions (y = w·x, MSE, one SGD step worked by hand) through the public API, on both backends.
+
+The inputs come from `jdp.data.SEED_REGRESSIONS`; the expected numbers are written out here.
+"""
 import jax
 import numpy as np
 import optax
 import pytest
 
 import jdp
+from jdp.data import SEED_REGRESSIONS, load_seed_regression
 
 BACKENDS = ["shard_map", "pmap"]
 
-X1 = np.array([2.0, 3.0, 1.0, 4.0], np.float32)
-T1 = np.array([3.0, 5.0, 2.0, 6.0], np.float32)
-X2 = np.array([[1, 2], [2, 1], [.5, 1.5], [1.5, .5], [3, 1], [1, 3], [2, 2], [.5, .5]], np.float32)
-T2 = np.array([1, 2, .5, 1.5, 3, 1, 2.5, .5], np.float32)
+X1, T1 = (load_seed_regression(1).arrays[k] for k in ("x", "t"))
+X2, T2 = (load_seed_regression(2).arrays[k] for k in ("x", "t"))
+
+
+def test_seed_inputs():
+    """Seed 1: x = [2, 3, 1, 4], t = [3, 5, 2, 6], w = 1, lr = 0.01; seed 2: w = (0.5, -0.3), lr = 0.1."""
+    np.testing.assert_array_equal(X1, [2, 3, 1, 4])
+    np.testing.assert_array_equal(T1, [3, 5, 2, 6])
+    np.testing.assert_array_equal(X2, [[1, 2], [2, 1], [.5, 1.5], [1.5, .5], [3, 1], [1, 3], [2, 2], [.5, .5]])
+    np.testing.assert_array_equal(T2, [1, 2, .5, 1.5, 3, 1, 2.5, .5])
+    assert [(s.w0, s.lr, s.devices) for s in SEED_REGRESSIONS.values()] == [(1.0, 0.01, 2), ((0.5, -0.3), 0.1, 4)]
 
 
 def linear_loss(params, batch):
