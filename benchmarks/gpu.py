@@ -16,13 +16,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-# Peak dense bf16 FLOP/s per device (vendor data sheets, dense, no sparsity).
-PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12}
-
-
-def peak_flops_for(device_kind: str) -> float | None:
-    """The table's peak for a device kind such as "NVIDIA H200", None if not listed."""
-    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in (device_kind or "")), None)
+from jdp.metrics import peak_flops as peak_flops_for  # jdp train's table (PEAK_FLOPS), so both MFUs agree
 
 
 def mfu(flops_per_step: float, step_seconds: float, peak_per_device: float | None, devices: int) -> float | None:
@@ -66,8 +60,8 @@ def gpt_benchmark(*, d_model: int = 768, n_layers: int = 12, n_heads: int = 12, 
     from flax import nnx
 
     import jdp
+    from jdp.metrics import step_flops
     from jdp.models import GPT, functional
-    from jdp.train import _step_flops
 
     devices = jax.devices()
     n = len(devices)
@@ -94,7 +88,7 @@ def gpt_benchmark(*, d_model: int = 768, n_layers: int = 12, n_heads: int = 12, 
         state, m = step(state, placed[0])
         jax.block_until_ready(state)
         first = time.perf_counter() - t0
-        flops = _step_flops(step, state, placed[0])
+        flops = step_flops(step, state, placed[0])
         per_step = []
         for _ in range(repeats):
             t0 = time.perf_counter()

@@ -1,0 +1,176 @@
+"""A run's numbers: where its records go (metrics.jsonl, TensorBoard, console), FLOPs and MFU, plots.
+
+`MetricsWriter` is the one place a training run writes to: off the primary process it writes
+nothing, so the loop needs no `if primary` branches (as flax's `create_default_writer(just_logging=...)`).
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+# Peak dense (no sparsity) bf16 tensor-core FLOP/s per device, from the vendors' data sheets; the
+# denominator of MFU. Keys are matched in order as substrings of jax's `device.device_kind` (e.g.
+# "NVIDIA H100 80GB HBM3" for the SXM part), so the more specific names come first. Devices not
+# listed (CPUs among them) get achieved FLOP/s only.
+PEAK_FLOPS = {
+    "H100 PCIe": 756e12,
+    "H100 NVL": 835e12,
+    "H100": 989e12,  # SXM
+    "H200 NVL": 835e12,
+    "H200": 989e12,  # SXM
+    "A100": 312e12,  # SXM and PCIe
+    "L40S": 362e12,
+}
+
+
+def peak_flops(device_kind: str) -> float | None:
+    """Peak dense bf16 FLOP/s of one device of `device_kind` (e.g. "NVIDIA H200"); None if not listed."""
+    return next((v for k, v in PEAK_FLOPS.items() if k in (device_kind or "")), None)
+
+
+def step_flops(step, state, batch) -> float | None:
+    """FLOPs of one optimizer step over all devices, from XLA's cost analysis of the compiled step.
+
+    `batch` is one call's (micro-)batch; None where the backend gives no cost analysis.
+    """
+    try:
+        cost = step.lower(state, batch).compile().cost_analysis()
+    except Exception:  # cost analysis is best-effort: some backends do not provide it
+        return None
+    cost = cost[0] if isinstance(cost, list) else cost
+    flops = float((cost or {}).get("flops", 0.0))
+    return flops * step.num_devices * step.accum_steps if flops > 0 else None
+
+
+class TensorBoard:
+    """Scalars to TensorBoard event files under `workdir/tensorboard` (needs tensorboardX)."""
+
+    def __init__(self, workdir: str):
+        try:
+            from tensorboardX import SummaryWriter
+        except ImportError:
+            raise ValueError("--tensorboard needs tensorboardX: pip install 'jdp[tensorboard]'.") from None
+        self._writer = SummaryWriter(os.path.join(workdir, "tensorboard"))
+
+    def write(self, record: dict) -> None:
+        """Every scalar of `record` except its "step", at that step."""
+        for key, value in record.items():
+            if key != "step":
+                self._writer.add_scalar(key, value, record["step"])
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class MetricsWriter:
+    """A run's records to `workdir/metrics.jsonl` (and TensorBoard), and its progress to the console.
+
+    The console is a progress bar (`progress=True`, which shows the latest loss and throughput) or
+    one line per training record; evaluation records are always printed as a line. With
+    `active=False` (any process but the primary one) it opens nothing and writes nothing. Use it as
+    a context manager: it shows the bar inside and closes every file on the way out.
+    """
+
+    def __init__(self, workdir: str, *, total: int, start: int, log=print, progress: bool = True,
+                 tensorboard: bool = False, active: bool = True):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self._log, self._progress = (log if active else None), progress
+        self._bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                             TextColumn("{task.description}"), TimeRemainingColumn(), disable=not (progress and active))
+        self._task = self._bar.add_task("", total=total, completed=start)
+        # TensorBoard first: a missing tensorboardX stops the run before metrics.jsonl is opened.
+        self._board = TensorBoard(workdir) if tensorboard and active else None
+        self._file = open(os.path.join(workdir, "metrics.jsonl"), "a") if active else None
+
+    def log(self, message: str) -> None:
+        """A line on the console (printed above the progress bar while it is shown)."""
+        if self._log is not None:
+            self._log(message)
+
+    def advance(self) -> None:
+        """One more optimizer step on the progress bar."""
+        self._bar.advance(self._task)
+
+    def write(self, record: dict) -> None:
+        """One record (`{"step": s, ...}`) to every sink; a record with nothing but its step is dropped."""
+        if self._file is None or len(record) < 2:
+            return
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()  # a crash loses at most the step in flight
+        if self._board is not None:
+            self._board.write(record)
+        s = record["step"]
+        if "loss" in record:
+            self._bar.update(self._task, description=f"loss {record['loss']:.4f}  "
+                             f"{record['samples_per_s']:,.0f} samples/s")
+            if not self._progress:
+                self.log(f"step {s:6d}  loss {record['loss']:.4f}  grad_norm {record['grad_norm']:.3f}  "
+                         f"lr {record['lr']:.2e}  {record['samples_per_s']:,.0f} samples/s")
+        evals = {k.removeprefix("eval_"): v for k, v in record.items() if k.startswith("eval_")}
+        if evals:
+            self.log(f"step {s:6d}  eval " + "  ".join(f"{k} {v:.4f}" for k, v in evals.items()))
+
+    def close(self) -> None:
+        """Stop the progress bar and close the files."""
+        self._bar.stop()
+        if self._board is not None:
+            self._board.close()
+        if self._file is not None:
+            self._file.close()
+
+    def __enter__(self):
+        self._bar.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def load_metrics(workdir: str) -> list[dict]:
+    """The records of `workdir/metrics.jsonl`, in order."""
+    path = os.path.join(workdir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        raise ValueError(f"{path!r} does not exist; run `jdp train ... --workdir {workdir}` first.")
+    records = []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path!r} line {number} is not JSON ({e.msg}); remove or repair that line.") from None
+            if not isinstance(record, dict) or "step" not in record:
+                raise ValueError(f"{path!r} line {number} is not a metrics record (a JSON object with a 'step').")
+            records.append(record)
+    return records
+
+
+def plot_metrics(workdir: str, path: str | None = None) -> str:
+    """Save a PNG of the loss (train, eval) and accuracy curves of a run; returns its path."""
+    records = load_metrics(workdir)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("jdp plot needs matplotlib: pip install 'jdp[plot]'.") from None
+    path = path or os.path.join(workdir, "curves.png")
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 3.6))
+    for key, ax in (("loss", ax_loss), ("train_accuracy", ax_acc), ("eval_loss", ax_loss), ("eval_accuracy", ax_acc)):
+        pts = [(r["step"], r[key]) for r in records if key in r]
+        if pts:
+            ax.plot(*np.array(pts).T, marker="o" if key.startswith("eval") else None, label=key)
+    for ax, title in ((ax_loss, "loss"), (ax_acc, "accuracy")):
+        ax.set(title=title, xlabel="optimizer step")
+        if ax.lines:
+            ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
