@@ -5,8 +5,8 @@ XLA's CPU all-reduce on fake host devices can deadlock and abort the process aft
 a training step of an MLP 784-1024-1024-10 (global batch 256, Adam, 45 steps) many times and
 counts the aborts, for two subjects:
 
-  reproducer  the hand-written `jax.jit(jax.shard_map(...))` step of
-              shared/tools/cpu_collective_stall.py (host numpy batches, async dispatch);
+  reproducer  a hand-written `jax.jit(jax.shard_map(...))` step, the script `REPRODUCER` below
+              (host numpy batches, async dispatch);
   jdp         `jdp.make_train_step` on the same model and data.
 
 under two thread-pool settings (`--pools`): `xla`, XLA's default of max(cores, N) threads (what

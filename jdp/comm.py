@@ -48,7 +48,8 @@ class CommReport:
 
     @property
     def ring_bytes_per_device(self) -> float:
-        """Ring all-reduce traffic each device sends per optimizer step: 2(N−1)/N · bytes (seed 000 §8.3)."""
+        """Ring all-reduce traffic each device sends per optimizer step: in a ring all-reduce each device
+        sends 2(N−1)/N · bytes (N−1 reduce-scatter chunks, then N−1 all-gather chunks, of bytes/N each)."""
         n = self.devices
         return 2 * (n - 1) / n * self.bytes_per_update
 

@@ -1,7 +1,8 @@
 """Replica consistency: every device must hold bit-identical params and optimizer state.
 
 Data parallelism is exact only while the replicas agree; a single diverged copy (a missed
-reduction, a non-deterministic op, a corrupted buffer) silently forks the model (seed 000 §7.3).
+reduction, a non-deterministic op, a corrupted buffer) silently forks the model: every later step
+starts from different weights on different devices, and nothing reports it.
 """
 from __future__ import annotations
 
