@@ -302,7 +302,7 @@ def bench_train_loop(plan: Plan) -> dict:
     import jax
     import numpy as np
 
-    from jdp.config import build_optimizer, load_config
+    from jdp.config import load_config
     from jdp.step import make_train_step
     from jdp.tasks import build_task
     from jdp.train import load_metrics, train
@@ -312,10 +312,9 @@ def bench_train_loop(plan: Plan) -> dict:
     config = load_config(None, overrides)
     task = build_task(config)
     devices = jax.devices()[:2]
-    optimizer, _, lr_correction = build_optimizer(config, len(devices))
     p = config.parallel
-    step = make_train_step(task.loss_fn, optimizer, backend=p.backend, reduction=p.reduction,
-                           lr_correction=lr_correction, devices=devices, has_aux=True, needs_rng=True, has_state=True,
+    step = make_train_step(task.loss_fn, config.optimizer_spec(), backend=p.backend, reduction=p.reduction,
+                           lr_correction=p.lr_correction, devices=devices, has_aux=True, needs_rng=True, has_state=True,
                            accum_steps=p.accum_steps, accum_sync=p.accum_sync,
                            skip_nonfinite=config.train.max_nonfinite > 0)
     arrays = task.train.arrays

@@ -11,8 +11,10 @@ dotted key and what it accepts.
    floats, a tuple field a list of ints, `X | None` also null.
 2. `load_config` / `config_from_dict`: unknown sections and keys, malformed files and overrides;
    then `validate(config, None)`.
-3. `validate(config, num_devices)`: combinations (model × data, lr_correction × reduction,
-   warmup × steps, ...) and, once the device count is known, batch divisibility.
+3. `validate(config, num_devices)`: combinations (model × data, batch × dataset size, ...); the
+   step's and the optimizer's own rules, which `jdp.options.StepOptions` and `jdp.OptimizerSpec`
+   state once (their message, after the dotted key); and, once the device count is known, batch
+   divisibility.
 
 YAML is read with `yaml.safe_load` only. PyYAML follows YAML 1.1, where `3e-4` (no dot) is a
 string, not a float; float fields therefore also accept a string in exponent notation.
@@ -33,21 +35,18 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
-import optax
 import yaml
 
-from jdp.optim import OPTIMIZERS, OptimizerSpec, exact_sum_spec
-from jdp.reduce import REDUCTIONS
-from jdp.step import ACCUM_SYNCS, BACKENDS, LR_CORRECTIONS
+from jdp.data import DIGITS_EXAMPLES, SEED_REGRESSIONS, held_out_count
+from jdp.optim import OPTIMIZERS, SCHEDULES, OptimizerSpec
+from jdp.options import ACCUM_SYNCS, BACKENDS, LR_CORRECTIONS, REDUCTIONS, OptionError, StepOptions
+from jdp.tasks import MODELS_WITH_STATE
 
 MODELS = ("mlp", "cnn", "gpt", "linear")
 DATASETS = ("digits", "chars", "seed_linear", "arrays")
-SCHEDULES = ("constant", "cosine", "linear")
 # The datasets each model can train on (the model's input and loss must fit the arrays).
 MODEL_DATA = {"mlp": ("digits", "arrays"), "cnn": ("digits", "arrays"), "gpt": ("chars",),
               "linear": ("seed_linear", "arrays")}
-DIGITS_EXAMPLES = 1797  # scikit-learn's bundled digits, before the train/test split
-SEED_EXAMPLES = {1: 4, 2: 8}  # examples of DESIGN.md's seed regressions
 # Fields left out of `config_hash`: they may change between runs of the same training.
 HASH_EXCLUDED = ("data.eval_batch_size", "parallel.devices", "train.log_every", "train.eval_every",
                  "train.checkpoint_every", "train.keep_checkpoints", "train.max_nonfinite")
@@ -180,11 +179,11 @@ class DataConfig(_Section):
 
     name: str = "digits"
     """One of "digits" (scikit-learn's 8×8 digits), "chars" (a character corpus, for gpt),
-    "seed_linear" (DESIGN.md's seed regressions), "arrays" (your own .npz)."""
+    "seed_linear" (the seed regressions y = w·x, `jdp.data.SEED_REGRESSIONS`), "arrays" (your own .npz)."""
     path: str | None = None
     """arrays: a .npz file holding arrays "x" and "y" (relative to the working directory)."""
     seed_example: int = 2
-    """seed_linear: DESIGN.md's seed number, 1 (4 examples) or 2 (8 examples)."""
+    """seed_linear: which seed regression, 1 (one weight, 4 examples) or 2 (two weights, 8 examples)."""
     batch_size: int = 128
     """The GLOBAL batch of one optimizer step: all devices and all micro-batches together."""
     eval_batch_size: int = 256
@@ -196,13 +195,13 @@ class DataConfig(_Section):
 
     _section: ClassVar[str] = "data"
     _rules: ClassVar[dict[str, _Rule]] = dict(
-        name=_one_of(DATASETS), path=_or_null(_NPZ), seed_example=_Rule("1 or 2", lambda v: v in SEED_EXAMPLES),
+        name=_one_of(DATASETS), path=_or_null(_NPZ), seed_example=_Rule(" or ".join(map(str, SEED_REGRESSIONS)), lambda v: v in SEED_REGRESSIONS),
         batch_size=_POSITIVE_INT, eval_batch_size=_POSITIVE_INT, drop_last=_BOOL, test_fraction=_FRACTION)
 
 
 @dataclass(frozen=True)
 class OptimConfig(_Section):
-    """The optimizer and its learning-rate schedule (turned into a `jdp.OptimizerSpec` + optax schedule)."""
+    """The optimizer and its learning-rate schedule (turned into a `jdp.OptimizerSpec`, schedule included)."""
 
     name: str = "adam"
     """One of "sgd", "momentum", "adam", "adamw"."""
@@ -225,7 +224,7 @@ class OptimConfig(_Section):
     warmup_steps: int = 0
     """Optimizer steps of linear warmup from 0 to lr; 0 starts at lr."""
     linear_scaling: bool = False
-    """Opt-in linear scaling rule: lr × data.batch_size / base_batch_size (seed 000 §9.1). It
+    """Opt-in linear scaling rule (Goyal et al., 2017): lr × data.batch_size / base_batch_size. It
     compensates for fewer steps per epoch at a larger batch; it is not the gradient averaging
     that makes N devices equal one."""
     base_batch_size: int = 256
@@ -277,8 +276,7 @@ class TrainConfig(_Section):
     keep_checkpoints: int = 3
     """The most recent checkpoints kept on disk."""
     max_nonfinite: int = 3
-    """Skip updates with NaN/Inf gradients, stopping after this many in a row; 0: never skip.
-    Unavailable (never skips) with parallel.accum_sync=every and accum_steps > 1."""
+    """Skip updates with NaN/Inf gradients, stopping after this many in a row; 0: never skip."""
     seed: int = 0
     """Seeds the params' initialisation, the data order and the dropout keys."""
 
@@ -313,11 +311,16 @@ class Config:
                 raise ConfigError(f"Config.{name} must be of type {cls.__name__}, got {type(getattr(self, name)).__name__}.")
 
     def optimizer_spec(self) -> OptimizerSpec:
-        """The optimizer's hyperparameters as a `jdp.OptimizerSpec`, lr after linear scaling (if on)."""
+        """The optimizer as a `jdp.OptimizerSpec`: lr after linear scaling (if on), and the schedule,
+        which decays (cosine, linear) to 0 at train.steps. Its `build()` is the optax chain a run
+        uses; `learning_rate(step)` the lr it logs. Raises OptionError (`validate` names the key).
+        """
         o = self.optim
         lr = o.lr * self.data.batch_size / o.base_batch_size if o.linear_scaling else o.lr
         return OptimizerSpec(o.name, lr=lr, momentum=o.momentum, b1=o.b1, b2=o.b2, eps=o.eps,
-                             weight_decay=o.weight_decay, clip_norm=o.clip_norm)
+                             weight_decay=o.weight_decay, clip_norm=o.clip_norm, schedule=o.schedule,
+                             warmup_steps=o.warmup_steps,
+                             decay_steps=None if o.schedule == "constant" else self.train.steps)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """`{section: {field: value}}` of JSON types (tuples become lists); `config_from_dict` inverts it."""
@@ -455,7 +458,7 @@ def validate(config: Config, num_devices: int | None) -> Config:
     if num_devices is not None and (isinstance(num_devices, bool) or not isinstance(num_devices, int)
                                     or num_devices < 1):
         raise ValueError(f"num_devices={num_devices!r} must be a positive integer, or None.")
-    m, d, o, p, t = config.model, config.data, config.optim, config.parallel, config.train
+    m, d, p = config.model, config.data, config.parallel
 
     if d.name not in MODEL_DATA[m.name]:
         raise ConfigError(f"model.name={m.name!r} cannot train on data.name={d.name!r}; "
@@ -474,26 +477,14 @@ def validate(config: Config, num_devices: int | None) -> Config:
         raise ConfigError(f"data.path={d.path!r} is not a file (relative paths start at {os.getcwd()}).")
     if d.drop_last and d.name in ("digits", "seed_linear"):
         if d.name == "digits":
-            n, what = DIGITS_EXAMPLES - int(round(DIGITS_EXAMPLES * d.test_fraction)), "digits training examples"
+            n, what = DIGITS_EXAMPLES - held_out_count(DIGITS_EXAMPLES, d.test_fraction), "digits training examples"
         else:
-            n, what = SEED_EXAMPLES[d.seed_example], f"examples of data.seed_example={d.seed_example}"
+            n, what = len(SEED_REGRESSIONS[d.seed_example].x), f"examples of data.seed_example={d.seed_example}"
         if d.batch_size > n:
             raise ConfigError(f"data.batch_size={d.batch_size} is more than the {n} {what}, so with "
                               f"data.drop_last=true no batch is ever full.")
 
-    if o.weight_decay and o.name != "adamw":
-        raise ConfigError(f"optim.weight_decay={o.weight_decay} needs optim.name='adamw' (decoupled decay), "
-                          f"got {o.name!r}.")
-    if o.schedule != "constant" and o.warmup_steps >= t.steps:
-        raise ConfigError(f"optim.warmup_steps={o.warmup_steps} must be less than train.steps={t.steps}, "
-                          f"since optim.schedule={o.schedule!r} decays to 0 at train.steps.")
-
-    if p.reduction == "mean" and p.lr_correction not in (None, "none"):
-        raise ConfigError(f"parallel.lr_correction={p.lr_correction!r} needs parallel.reduction='sum'; "
-                          f"with 'mean' use null or 'none'.")
-    if m.name == "cnn" and p.accum_sync == "last" and p.accum_steps > 1:
-        raise ConfigError(f"model.name='cnn' needs parallel.accum_sync='every' with parallel.accum_steps="
-                          f"{p.accum_steps}: 'last' skips the all-reduce that keeps its BatchNorm state replicated.")
+    _check_step_and_optimizer(config)
     if num_devices is not None and p.devices is not None and p.devices > num_devices:
         raise ConfigError(f"parallel.devices={p.devices} is more than the {num_devices} devices available.")
     devices = p.devices if p.devices is not None else num_devices
@@ -503,61 +494,19 @@ def validate(config: Config, num_devices: int | None) -> Config:
     return config
 
 
-def lr_schedule(config: Config, peak: float | None = None) -> optax.Schedule:
-    """The learning rate at each OPTIMIZER step (0-based count of updates applied so far).
-
-    Linear warmup from 0 at step 0 to `peak` at step optim.warmup_steps, then constant, or cosine
-    or linear decay to 0 at step train.steps. `peak` defaults to `config.optimizer_spec().lr`.
-    """
-    o, steps = config.optim, config.train.steps
-    peak = config.optimizer_spec().lr if peak is None else float(peak)
-    w = o.warmup_steps
-    if o.schedule == "cosine":
-        return optax.warmup_cosine_decay_schedule(0.0, peak, w, steps, end_value=0.0)
-    after = optax.constant_schedule(peak) if o.schedule == "constant" else optax.linear_schedule(peak, 0.0, steps - w)
-    return after if w == 0 else optax.join_schedules([optax.linear_schedule(0.0, peak, w), after], [w])
-
-
-def _optax_chain(spec: OptimizerSpec, lr) -> optax.GradientTransformation:
-    """`spec.build()` with `lr` (a float or a schedule) in place of spec.lr: clip first, then the optimizer."""
-    if spec.name == "sgd":
-        opt = optax.sgd(lr)
-    elif spec.name == "momentum":
-        opt = optax.sgd(lr, momentum=spec.momentum)
-    elif spec.name == "adam":
-        opt = optax.adam(lr, b1=spec.b1, b2=spec.b2, eps=spec.eps)
-    else:
-        opt = optax.adamw(lr, b1=spec.b1, b2=spec.b2, eps=spec.eps, weight_decay=spec.weight_decay)
-    return opt if spec.clip_norm is None else optax.chain(optax.clip_by_global_norm(spec.clip_norm), opt)
-
-
-def build_optimizer(config: Config, num_devices: int | None = None
-                    ) -> tuple[optax.GradientTransformation, Callable[[int], float], str | None]:
-    """`(optimizer, lr_at, lr_correction)` for `make_train_step(loss_fn, optimizer, lr_correction=...)`.
-
-    `optimizer`: the optax chain, clip -> optimizer with the lr schedule; its hyperparameters come
-    from `config.optimizer_spec()`, and a constant schedule without warmup gives exactly
-    `spec.build()`. The schedule counts optimizer steps (MultiSteps and accum_sync="last" advance
-    it once per global batch). `lr_at(step)`: the learning rate of the update after `step`
-    optimizer steps, for logging: always the uncorrected, mean-equivalent value.
-
-    `lr_correction`: what the step must be given. parallel.lr_correction="exact" is applied here,
-    by building the chain from `jdp.exact_sum_spec(spec, num_devices)` (num_devices: the devices
-    the step runs on), because `make_train_step` can apply it only to a bare OptimizerSpec, which
-    has no schedule; the step then gets "none". Any other value is passed through.
-    """
-    spec = config.optimizer_spec()
-    applied, lr_correction = spec, config.parallel.lr_correction
-    if config.parallel.reduction == "sum" and lr_correction == "exact":
-        if num_devices is None:
-            raise ConfigError("parallel.lr_correction='exact' needs the device count: call "
-                              "build_optimizer(config, num_devices).")
-        applied, lr_correction = exact_sum_spec(spec, num_devices), "none"
-    o = config.optim
-    if o.schedule == "constant" and o.warmup_steps == 0:
-        return _optax_chain(applied, applied.lr), lambda step: spec.lr, lr_correction
-    shown = lr_schedule(config, spec.lr)
-    return _optax_chain(applied, lr_schedule(config, applied.lr)), lambda step: float(shown(step)), lr_correction
+def _check_step_and_optimizer(config: Config) -> None:
+    """The step's and the optimizer's rules, stated once in StepOptions and OptimizerSpec, under the config's keys."""
+    p = config.parallel
+    try:
+        options = StepOptions(backend=p.backend, reduction=p.reduction, lr_correction=p.lr_correction,
+                              accum_steps=p.accum_steps, accum_sync=p.accum_sync)
+        options.check_model_state(config.model.name in MODELS_WITH_STATE)
+    except OptionError as e:
+        raise ConfigError(f"parallel.{e.field}: {e}") from None
+    try:
+        config.optimizer_spec()
+    except OptionError as e:  # the spec's decay_steps is train.steps
+        raise ConfigError(f"{'train.steps' if e.field == 'decay_steps' else 'optim.' + e.field}: {e}") from None
 
 
 def run_identity(config: Config) -> dict[str, dict[str, Any]]:
@@ -583,5 +532,5 @@ def config_hash(config: Config) -> str:
 
 
 __all__ = ["Config", "ConfigError", "DataConfig", "HASH_EXCLUDED", "ModelConfig", "OptimConfig", "ParallelConfig",
-           "SECTIONS", "TrainConfig", "apply_overrides", "build_optimizer", "config_from_dict", "config_hash",
-           "field_docs", "load_config", "lr_schedule", "run_identity", "validate"]
+           "SECTIONS", "TrainConfig", "apply_overrides", "config_from_dict", "config_hash", "field_docs",
+           "load_config", "run_identity", "validate"]

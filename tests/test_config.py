@@ -13,10 +13,11 @@ import optax
 import pytest
 
 import jdp
-from jdp.data import load_seed_regression
 from jdp.config import (HASH_EXCLUDED, SECTIONS, Config, ConfigError, DataConfig, ModelConfig, OptimConfig,
-                        apply_overrides, build_optimizer, config_from_dict, config_hash, field_docs, load_config,
-                        run_identity, validate)
+                        apply_overrides, config_from_dict, config_hash, field_docs, load_config, run_identity,
+                        validate)
+from jdp.data import load_seed_regression
+from jdp.optim import for_reduction
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHIPPED = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
@@ -63,21 +64,24 @@ def test_shipped_configs_say_what_they_were_asked_to():
     assert (acc.accum_steps, acc.accum_sync, acc.reduction, acc.lr_correction) == (4, "last", "sum", "exact")
 
 
-def test_seed_linear_config_reproduces_the_seed_step():
-    """DESIGN.md seed 2 through the config: 4 devices, mean, SGD 0.1 -> w = (0.915, 0.085)."""
-    cfg = load_config(os.path.join(ROOT, "configs", "seed_linear.yaml"))
-    n = cfg.parallel.devices
-    validate(cfg, 8)
-    tx, lr_at, lr_correction = build_optimizer(cfg, n)
+def _linear_step(cfg, n):
+    """The config's step for y = x·w (MSE) on `n` devices, as `jdp train` builds it."""
     p = cfg.parallel
-    step = jdp.make_train_step(lambda w, b: ((b["x"] @ w["w"] - b["t"]) ** 2).mean(), tx, backend=p.backend,
-                               reduction=p.reduction, lr_correction=lr_correction, devices=jax.devices()[:n],
-                               accum_steps=p.accum_steps, accum_sync=p.accum_sync)
+    return jdp.make_train_step(lambda w, b: ((b["x"] @ w["w"] - b["t"]) ** 2).mean(), cfg.optimizer_spec(),
+                               backend=p.backend, reduction=p.reduction, lr_correction=p.lr_correction,
+                               devices=jax.devices()[:n], accum_steps=p.accum_steps, accum_sync=p.accum_sync)
+
+
+def test_seed_linear_config_reproduces_the_seed_step():
+    """Seed regression 2 through the config: w = (0.5, -0.3), 4 devices, mean, SGD 0.1 -> w = (0.915, 0.085)."""
+    cfg = load_config(os.path.join(ROOT, "configs", "seed_linear.yaml"))
+    validate(cfg, 8)
+    step = _linear_step(cfg, cfg.parallel.devices)
     data = load_seed_regression(cfg.data.seed_example)
     state = step.init({"w": np.array([0.5, -0.3], np.float32)}, seed=cfg.train.seed)
     state, metrics = step(state, data.take(np.arange(cfg.data.batch_size)))
     np.testing.assert_allclose(jdp.get_params(state)["w"], [0.915, 0.085], atol=1e-6)
-    assert lr_at(0) == 0.1
+    assert cfg.optimizer_spec().learning_rate(0) == 0.1
 
 
 # Defaults, fields, round trips.
@@ -192,15 +196,22 @@ BAD_OVERRIDES = [
                                     "got 'mlp'."),
     (["model.name=gpt", "data.name=chars", "model.d_model=60", "model.n_heads=8"],
      "model.d_model=60 is not divisible by model.n_heads=8."),
+    # The optimizer's and the step's own rules (jdp.OptimizerSpec, jdp.options.StepOptions), under the key.
     (["optim.schedule=cosine", "optim.warmup_steps=300"],
-     "optim.warmup_steps=300 must be less than train.steps=300, since optim.schedule='cosine' decays to 0 at "
-     "train.steps."),
-    (["optim.weight_decay=0.1"], "optim.weight_decay=0.1 needs optim.name='adamw' (decoupled decay), got 'adam'."),
+     "optim.warmup_steps: warmup_steps=300 must be less than decay_steps=300, since schedule='cosine' decays to 0 "
+     "at decay_steps."),
+    (["optim.schedule=linear", "optim.warmup_steps=20", "train.steps=10"],
+     "optim.warmup_steps: warmup_steps=20 must be less than decay_steps=10, since schedule='linear' decays to 0 "
+     "at decay_steps."),
+    (["optim.weight_decay=0.1"],
+     "optim.weight_decay: weight_decay=0.1 needs name='adamw' (decoupled decay); got name='adam'."),
     (["parallel.lr_correction=exact"],
-     "parallel.lr_correction='exact' needs parallel.reduction='sum'; with 'mean' use null or 'none'."),
+     "parallel.lr_correction: lr_correction='exact' only applies to reduction='sum'; the mean reduction already "
+     "yields the global-batch gradient (use None or 'none')."),
     (["model.name=cnn", "parallel.accum_steps=4", "parallel.accum_sync=last"],
-     "model.name='cnn' needs parallel.accum_sync='every' with parallel.accum_steps=4: 'last' skips the all-reduce "
-     "that keeps its BatchNorm state replicated."),
+     "parallel.accum_sync: a model with state (e.g. BatchNorm statistics) needs accum_sync='every' when "
+     "accum_steps > 1: 'last' has no communication on the calls between updates to keep the state the same on "
+     "every device."),
     (["data.batch_size=2048"], "data.batch_size=2048 is more than the 1438 digits training examples, so with "
                                "data.drop_last=true no batch is ever full."),
     (["model.name=linear", "data.name=seed_linear", "data.seed_example=1", "data.batch_size=8"],
@@ -294,14 +305,14 @@ def test_linear_scaling_is_opt_in():
     cfg = load_config(None, ["optim.lr=0.1", "data.batch_size=1024"])
     assert cfg.optimizer_spec().lr == 0.1
     scaled = apply_overrides(cfg, ["optim.linear_scaling=true"])
-    assert scaled.optimizer_spec().lr == pytest.approx(0.4)  # seed 000 §9.1: 0.1 × 1024 / 256
-    assert build_optimizer(scaled)[1](0) == pytest.approx(0.4)
+    assert scaled.optimizer_spec().lr == pytest.approx(0.4)  # the linear scaling rule: 0.1 × 1024 / 256
+    assert scaled.optimizer_spec().learning_rate(0) == pytest.approx(0.4)
     assert apply_overrides(scaled, ["optim.base_batch_size=512"]).optimizer_spec().lr == pytest.approx(0.2)
 
 
 def test_warmup_then_cosine():
     cfg = load_config(None, ["optim.lr=0.2", "optim.schedule=cosine", "optim.warmup_steps=10", "train.steps=110"])
-    _, lr_at, _ = build_optimizer(cfg)
+    lr_at = cfg.optimizer_spec().learning_rate
     expected = {0: 0.0, 5: 0.1, 10: 0.2, 35: 0.1 * (1 + np.cos(np.pi / 4)), 60: 0.1, 110: 0.0, 200: 0.0}
     for step, lr in expected.items():
         assert lr_at(step) == pytest.approx(lr, abs=1e-6), step
@@ -309,8 +320,8 @@ def test_warmup_then_cosine():
 
 def test_warmup_then_linear_and_constant():
     base = ["optim.lr=0.2", "optim.warmup_steps=10", "train.steps=110"]
-    _, linear, _ = build_optimizer(load_config(None, [*base, "optim.schedule=linear"]))
-    _, constant, _ = build_optimizer(load_config(None, [*base, "optim.schedule=constant"]))
+    linear = load_config(None, [*base, "optim.schedule=linear"]).optimizer_spec().learning_rate
+    constant = load_config(None, [*base, "optim.schedule=constant"]).optimizer_spec().learning_rate
     for step, lr in {0: 0.0, 5: 0.1, 10: 0.2, 60: 0.1, 110: 0.0}.items():
         assert linear(step) == pytest.approx(lr, abs=1e-6), step
     for step, lr in {0: 0.0, 5: 0.1, 10: 0.2, 60: 0.2, 500: 0.2}.items():
@@ -328,24 +339,27 @@ def _run(tx, grads_per_step, params):
 def test_the_chain_applies_the_schedule_per_optimizer_step():
     cfg = load_config(None, ["optim.name=sgd", "optim.lr=0.2", "optim.schedule=linear", "optim.warmup_steps=2",
                              "train.steps=6", "optim.clip_norm=100"])
-    tx, lr_at, _ = build_optimizer(cfg)
+    spec = cfg.optimizer_spec()
+    tx, lr_at = spec.build(), spec.learning_rate
     p0 = {"w": np.zeros(2, np.float32)}
     g = {"w": np.ones(2, np.float32)}
     got = _run(tx, [g] * 4, p0)["w"]
     np.testing.assert_allclose(got, -sum(lr_at(k) for k in range(4)) * np.ones(2), rtol=1e-6)
     assert [lr_at(k) for k in range(4)] == pytest.approx([0.0, 0.1, 0.2, 0.15])
-    clipped = _run(build_optimizer(apply_overrides(cfg, ["optim.clip_norm=0.5"]))[0], [g] * 4, p0)["w"]
+    clipped = _run(apply_overrides(cfg, ["optim.clip_norm=0.5"]).optimizer_spec().build(), [g] * 4, p0)["w"]
     np.testing.assert_allclose(clipped, got * 0.5 / np.sqrt(2), rtol=1e-6)  # clipping comes first
 
 
-def test_constant_schedule_builds_the_specs_chain():
+def test_constant_schedule_gives_optax_the_float_lr():
+    """No schedule, no warmup: the chain is optax's own with the float lr, bit for bit."""
     cfg = load_config(None, ["optim.name=adamw", "optim.weight_decay=0.1", "optim.clip_norm=1.0"])
-    tx, lr_at, lr_correction = build_optimizer(cfg)
-    assert lr_correction is None
+    spec = cfg.optimizer_spec()
+    assert (spec.schedule, spec.decay_steps, spec.lr_schedule()) == ("constant", None, 3e-3)
     p0 = {"w": np.array([1.0, -2.0], np.float32)}
     grads = [{"w": np.array([3.0, 0.5], np.float32)}, {"w": np.array([-1.0, 2.0], np.float32)}]
-    np.testing.assert_array_equal(_run(tx, grads, p0)["w"], _run(cfg.optimizer_spec().build(), grads, p0)["w"])
-    assert lr_at(0) == lr_at(1000) == 3e-3
+    by_hand = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-3, weight_decay=0.1))
+    np.testing.assert_array_equal(_run(spec.build(), grads, p0)["w"], _run(by_hand, grads, p0)["w"])
+    assert spec.learning_rate(0) == spec.learning_rate(1000) == 3e-3
 
 
 @pytest.mark.parametrize("name", ["sgd", "adam"])
@@ -353,24 +367,40 @@ def test_exact_correction_keeps_the_schedule(name):
     """psum (N× the mean) through the exact chain = the mean through the plain chain, schedule included."""
     over = [f"optim.name={name}", "optim.schedule=cosine", "optim.warmup_steps=2", "train.steps=8",
             "optim.clip_norm=1.0"]
-    mean_tx, mean_lr, _ = build_optimizer(load_config(None, over))
-    summed = load_config(None, [*over, "parallel.reduction=sum", "parallel.lr_correction=exact"])
-    sum_tx, sum_lr, lr_correction = build_optimizer(summed, 4)
-    assert lr_correction == "none"  # already inside sum_tx
+    mean = load_config(None, over).optimizer_spec()
+    summed = load_config(None, [*over, "parallel.reduction=sum", "parallel.lr_correction=exact"]).optimizer_spec()
+    assert summed == mean  # the correction is the step's, not the spec's
     p0 = {"w": np.array([1.0, -2.0], np.float32)}
     grads = [{"w": np.array([0.3 * k, -0.2], np.float32)} for k in range(1, 6)]
-    np.testing.assert_allclose(_run(sum_tx, [{"w": 4 * g["w"]} for g in grads], p0)["w"],
-                               _run(mean_tx, grads, p0)["w"], rtol=1e-5)
-    assert [sum_lr(k) for k in range(8)] == [mean_lr(k) for k in range(8)]
-    with pytest.raises(ConfigError, match=exactly("parallel.lr_correction='exact' needs the device count: call "
-                                                  "build_optimizer(config, num_devices).")):
-        build_optimizer(summed)
+    np.testing.assert_allclose(_run(for_reduction(summed, "exact", 4), [{"w": 4 * g["w"]} for g in grads], p0)["w"],
+                               _run(mean.build(), grads, p0)["w"], rtol=1e-5)
+    with pytest.raises(ValueError, match=exactly("lr_correction='exact' needs a jdp.OptimizerSpec (it changes the "
+                                                 "spec's scale-dependent hyperparameters), not a bare optax "
+                                                 "transformation.")):
+        for_reduction(mean.build(), "exact", 4)
 
 
-def test_other_lr_corrections_pass_through():
-    for value in ["auto", "none", "null"]:
+@pytest.mark.parametrize("name", ["sgd", "adam"])
+def test_config_sum_exact_with_a_schedule_runs_as_the_mean(name):
+    """A config with reduction sum, lr_correction exact and cosine decay takes the mean config's steps."""
+    over = ["model.name=linear", "data.name=seed_linear", "data.batch_size=8", f"optim.name={name}", "optim.lr=0.1",
+            "optim.schedule=cosine", "optim.warmup_steps=1", "train.steps=4", "optim.clip_norm=2.0"]
+    batch = load_seed_regression(2).take(np.arange(8))
+    params = {}
+    for key, extra in {"mean": [], "sum": ["parallel.reduction=sum", "parallel.lr_correction=exact"]}.items():
+        step = _linear_step(load_config(None, [*over, *extra]), 4)
+        state = step.init({"w": np.array([0.5, -0.3], np.float32)})
+        for _ in range(4):
+            state, _ = step(state, batch)
+        params[key] = jdp.get_params(state)["w"]
+    np.testing.assert_allclose(params["sum"], params["mean"], rtol=1e-5, atol=1e-7)
+    assert not np.allclose(params["mean"], [0.5, -0.3])
+
+
+def test_other_lr_corrections_load_with_sum():
+    for value in ["auto", "none", "null", "exact"]:
         cfg = load_config(None, ["parallel.reduction=sum", f"parallel.lr_correction={value}"])
-        assert build_optimizer(cfg)[2] == cfg.parallel.lr_correction
+        assert cfg.parallel.lr_correction == (None if value == "null" else value)
 
 
 # run_identity and config_hash.

@@ -159,7 +159,8 @@ CONFIG_CASES = [
      "data.batch_size=2048 is more than the 1438 digits training examples, so with data.drop_last=true no batch "
      "is ever full."),
     ("lr-correction-with-mean", None, ["--set", "parallel.lr_correction=auto"],
-     "parallel.lr_correction='auto' needs parallel.reduction='sum'; with 'mean' use null or 'none'."),
+     "parallel.lr_correction: lr_correction='auto' only applies to reduction='sum'; the mean reduction already "
+     "yields the global-batch gradient (use None or 'none')."),
     ("gpt-on-digits", None, ["--set", "model.name=gpt"],
      "model.name='gpt' cannot train on data.name='digits'; gpt takes data.name chars."),
     ("cnn-on-chars", "model:\n  name: cnn\ndata:\n  name: chars\n", [],
@@ -169,11 +170,11 @@ CONFIG_CASES = [
     ("arrays-path-missing", None, ["--set", "data.name=arrays", "--set", "data.path={dir}/missing.npz"],
      f"data.path='{{dir}}/missing.npz' is not a file (relative paths start at {ROOT})."),
     ("weight-decay-with-adam", None, ["--set", "optim.weight_decay=0.01"],
-     "optim.weight_decay=0.01 needs optim.name='adamw' (decoupled decay), got 'adam'."),
+     "optim.weight_decay: weight_decay=0.01 needs name='adamw' (decoupled decay); got name='adam'."),
     ("warmup-not-before-decay-end", None, ["--steps", "100", "--set", "optim.schedule=cosine",
                                            "--set", "optim.warmup_steps=100"],
-     "optim.warmup_steps=100 must be less than train.steps=100, since optim.schedule='cosine' decays to 0 at "
-     "train.steps."),
+     "optim.warmup_steps: warmup_steps=100 must be less than decay_steps=100, since schedule='cosine' decays to 0 "
+     "at decay_steps."),
     ("sync-batchnorm-without-cnn", None, ["--set", "model.sync_batchnorm=true"],
      "model.sync_batchnorm=true needs model.name='cnn' (the model with BatchNorm), got 'mlp'."),
     ("gpt-heads-do-not-divide-width", "model:\n  name: gpt\n  d_model: 66\ndata:\n  name: chars\n", [],
