@@ -6,9 +6,8 @@ A config has five sections, each a frozen dataclass with a docstring per field: 
 Checks happen in three places, each failing with a `ConfigError`: one sentence that names the
 dotted key and what it accepts.
 
-1. Construction (every section's `__post_init__`): the type and range of each field on its own.
-   Types are strict: an int field takes ints only (not bools, not 1.5), a float field ints or
-   floats, a tuple field a list of ints, `X | None` also null.
+1. Construction (every section's `__post_init__`, `jdp.sections`): the type and range of each
+   field on its own.
 2. `load_config` / `config_from_dict`: unknown sections and keys, malformed files and overrides;
    then `validate(config, None)`.
 3. `validate(config, num_devices)`: combinations (model × data, batch × dataset size, ...); the
@@ -16,22 +15,14 @@ dotted key and what it accepts.
    state once (their message, after the dotted key); and, once the device count is known, batch
    divisibility.
 
-YAML is read with `yaml.safe_load` only. PyYAML follows YAML 1.1, where `3e-4` (no dot) is a
-string, not a float; float fields therefore also accept a string in exponent notation.
+YAML is read with `yaml.safe_load` only.
 """
 from __future__ import annotations
 
-import ast
 import hashlib
-import inspect
 import json
-import math
-import numbers
 import os
-import re
-import textwrap
-import typing
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
@@ -40,6 +31,8 @@ import yaml
 from jdp.data import DIGITS_EXAMPLES, SEED_REGRESSIONS, held_out_count
 from jdp.optim import OPTIMIZERS, SCHEDULES, OptimizerSpec
 from jdp.options import ACCUM_SYNCS, BACKENDS, LR_CORRECTIONS, REDUCTIONS, OptionError, StepOptions
+from jdp.sections import (BOOL, COUNT, FRACTION, NON_NEGATIVE, NPZ, POSITIVE, POSITIVE_INT, TWO_WIDTHS, UNIT, WIDTHS,
+                          ConfigError, Rule, Section, field_docs, one_of, or_null)
 from jdp.tasks import MODELS_WITH_STATE
 
 MODELS = ("mlp", "cnn", "gpt", "linear")
@@ -52,100 +45,8 @@ HASH_EXCLUDED = ("data.eval_batch_size", "parallel.devices", "train.log_every", 
                  "train.checkpoint_every", "train.keep_checkpoints", "train.max_nonfinite")
 
 
-class ConfigError(ValueError):
-    """A config that cannot run, with one sentence naming the key and the values it accepts."""
-
-
 @dataclass(frozen=True)
-class _Rule:
-    """What a field accepts: `desc` completes "KEY must be ..."; `ok` tests the type-checked value."""
-
-    desc: str
-    ok: Callable[[Any], bool] = lambda v: True
-
-
-def _one_of(choices: Iterable[str]) -> _Rule:
-    choices = tuple(choices)
-    return _Rule(f"one of {', '.join(choices)}", lambda v: v in choices)
-
-
-def _or_null(rule: _Rule) -> _Rule:
-    return _Rule(f"null or {rule.desc}", rule.ok)  # None never reaches `ok`
-
-
-_POSITIVE_INT = _Rule("a positive integer", lambda v: v >= 1)
-_COUNT = _Rule("an integer of at least 0", lambda v: v >= 0)
-_POSITIVE = _Rule("a positive number", lambda v: v > 0)
-_NON_NEGATIVE = _Rule("a number of at least 0", lambda v: v >= 0)
-_UNIT = _Rule("a number in [0, 1)", lambda v: 0 <= v < 1)
-_FRACTION = _Rule("a number strictly between 0 and 1", lambda v: 0 < v < 1)
-_BOOL = _Rule("true or false")
-_WIDTHS = _Rule("a list of positive integers", lambda v: all(w >= 1 for w in v))
-_TWO_WIDTHS = _Rule("a list of two positive integers", lambda v: len(v) == 2 and all(w >= 1 for w in v))
-_NPZ = _Rule("the path of a .npz file", lambda v: v.lower().endswith(".npz"))
-
-_BAD = object()  # _coerce's "wrong type"
-# YAML 1.1 reads 3e-4 as a string; these are the numbers it misses (YAML 1.2's float syntax).
-_EXPONENT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
-
-
-def _coerce(tp, value):
-    """`value` as type `tp` (bool, int, float, str, tuple[int, ...], or one of those | None), else _BAD."""
-    args = typing.get_args(tp)
-    if type(None) in args:
-        if value is None:
-            return None
-        tp = next(a for a in args if a is not type(None))
-    if tp is bool:
-        return value if isinstance(value, bool) else _BAD
-    if tp is int:
-        return int(value) if isinstance(value, numbers.Integral) and not isinstance(value, bool) else _BAD
-    if tp is float:
-        if isinstance(value, str) and _EXPONENT.fullmatch(value.strip()):
-            value = float(value)
-        if isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value):
-            return float(value)
-        return _BAD
-    if tp is str:
-        return value if isinstance(value, str) else _BAD
-    if typing.get_origin(tp) is tuple:
-        if not isinstance(value, (list, tuple)):
-            return _BAD
-        items = tuple(_coerce(int, v) for v in value)
-        return _BAD if _BAD in items else items
-    raise TypeError(f"jdp.config has no coercion for type {tp!r}.")
-
-
-def _show(value) -> str:
-    """A value as the YAML user wrote it: null, true/false, 'text', 1.5, [1, 2]."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_show(v) for v in value) + "]"
-    return repr(value)
-
-
-class _Section:
-    """Base of the config sections: type-checks, coerces and range-checks every field on construction."""
-
-    _section: ClassVar[str]
-    _rules: ClassVar[dict[str, _Rule]]
-
-    def __post_init__(self):
-        hints = typing.get_type_hints(type(self))
-        for f in fields(self):
-            raw = getattr(self, f.name)
-            value = _coerce(hints[f.name], raw)
-            rule = self._rules[f.name]
-            if value is _BAD or (value is not None and not rule.ok(value)):
-                raise ConfigError(f"{self._section}.{f.name} must be {rule.desc}, got {_show(raw)}.")
-            object.__setattr__(self, f.name, value)
-
-
-@dataclass(frozen=True)
-class ModelConfig(_Section):
+class ModelConfig(Section):
     """The network. Each model reads only its own fields; the others keep their defaults."""
 
     name: str = "mlp"
@@ -168,13 +69,13 @@ class ModelConfig(_Section):
     """gpt: tokens per training window (and the longest sequence the model accepts)."""
 
     _section: ClassVar[str] = "model"
-    _rules: ClassVar[dict[str, _Rule]] = dict(
-        name=_one_of(MODELS), hidden=_WIDTHS, channels=_TWO_WIDTHS, sync_batchnorm=_BOOL, d_model=_POSITIVE_INT,
-        n_heads=_POSITIVE_INT, n_layers=_POSITIVE_INT, dropout=_UNIT, context=_POSITIVE_INT)
+    _rules: ClassVar[dict[str, Rule]] = dict(
+        name=one_of(MODELS), hidden=WIDTHS, channels=TWO_WIDTHS, sync_batchnorm=BOOL, d_model=POSITIVE_INT,
+        n_heads=POSITIVE_INT, n_layers=POSITIVE_INT, dropout=UNIT, context=POSITIVE_INT)
 
 
 @dataclass(frozen=True)
-class DataConfig(_Section):
+class DataConfig(Section):
     """The dataset and how it is batched."""
 
     name: str = "digits"
@@ -194,13 +95,13 @@ class DataConfig(_Section):
     """digits: the fraction held out to measure test accuracy, strictly between 0 and 1."""
 
     _section: ClassVar[str] = "data"
-    _rules: ClassVar[dict[str, _Rule]] = dict(
-        name=_one_of(DATASETS), path=_or_null(_NPZ), seed_example=_Rule(" or ".join(map(str, SEED_REGRESSIONS)), lambda v: v in SEED_REGRESSIONS),
-        batch_size=_POSITIVE_INT, eval_batch_size=_POSITIVE_INT, drop_last=_BOOL, test_fraction=_FRACTION)
+    _rules: ClassVar[dict[str, Rule]] = dict(
+        name=one_of(DATASETS), path=or_null(NPZ), seed_example=Rule(" or ".join(map(str, SEED_REGRESSIONS)), lambda v: v in SEED_REGRESSIONS),
+        batch_size=POSITIVE_INT, eval_batch_size=POSITIVE_INT, drop_last=BOOL, test_fraction=FRACTION)
 
 
 @dataclass(frozen=True)
-class OptimConfig(_Section):
+class OptimConfig(Section):
     """The optimizer and its learning-rate schedule (turned into a `jdp.OptimizerSpec`, schedule included)."""
 
     name: str = "adam"
@@ -231,14 +132,14 @@ class OptimConfig(_Section):
     """linear_scaling: the batch size at which lr was tuned."""
 
     _section: ClassVar[str] = "optim"
-    _rules: ClassVar[dict[str, _Rule]] = dict(
-        name=_one_of(OPTIMIZERS), lr=_POSITIVE, momentum=_UNIT, b1=_UNIT, b2=_UNIT, eps=_POSITIVE,
-        weight_decay=_NON_NEGATIVE, clip_norm=_or_null(_POSITIVE), schedule=_one_of(SCHEDULES),
-        warmup_steps=_COUNT, linear_scaling=_BOOL, base_batch_size=_POSITIVE_INT)
+    _rules: ClassVar[dict[str, Rule]] = dict(
+        name=one_of(OPTIMIZERS), lr=POSITIVE, momentum=UNIT, b1=UNIT, b2=UNIT, eps=POSITIVE,
+        weight_decay=NON_NEGATIVE, clip_norm=or_null(POSITIVE), schedule=one_of(SCHEDULES),
+        warmup_steps=COUNT, linear_scaling=BOOL, base_batch_size=POSITIVE_INT)
 
 
 @dataclass(frozen=True)
-class ParallelConfig(_Section):
+class ParallelConfig(Section):
     """How the step is spread over devices (the arguments of `jdp.make_train_step`)."""
 
     backend: str = "shard_map"
@@ -256,13 +157,13 @@ class ParallelConfig(_Section):
     """accum_steps > 1: all-reduce on "every" micro-batch, or once, on the "last"."""
 
     _section: ClassVar[str] = "parallel"
-    _rules: ClassVar[dict[str, _Rule]] = dict(
-        backend=_one_of(BACKENDS), devices=_or_null(_POSITIVE_INT), reduction=_one_of(REDUCTIONS),
-        lr_correction=_or_null(_one_of(LR_CORRECTIONS)), accum_steps=_POSITIVE_INT, accum_sync=_one_of(ACCUM_SYNCS))
+    _rules: ClassVar[dict[str, Rule]] = dict(
+        backend=one_of(BACKENDS), devices=or_null(POSITIVE_INT), reduction=one_of(REDUCTIONS),
+        lr_correction=or_null(one_of(LR_CORRECTIONS)), accum_steps=POSITIVE_INT, accum_sync=one_of(ACCUM_SYNCS))
 
 
 @dataclass(frozen=True)
-class TrainConfig(_Section):
+class TrainConfig(Section):
     """The loop: length, cadence of logs, evaluations and checkpoints, and the seed."""
 
     steps: int = 300
@@ -281,9 +182,9 @@ class TrainConfig(_Section):
     """Seeds the params' initialisation, the data order and the dropout keys."""
 
     _section: ClassVar[str] = "train"
-    _rules: ClassVar[dict[str, _Rule]] = dict(
-        steps=_POSITIVE_INT, log_every=_POSITIVE_INT, eval_every=_COUNT, checkpoint_every=_COUNT,
-        keep_checkpoints=_POSITIVE_INT, max_nonfinite=_COUNT, seed=_COUNT)
+    _rules: ClassVar[dict[str, Rule]] = dict(
+        steps=POSITIVE_INT, log_every=POSITIVE_INT, eval_every=COUNT, checkpoint_every=COUNT,
+        keep_checkpoints=POSITIVE_INT, max_nonfinite=COUNT, seed=COUNT)
 
 
 SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig,
@@ -330,17 +231,6 @@ class Config:
 
 def _plain(value):
     return list(value) if isinstance(value, tuple) else value
-
-
-def field_docs(cls: type) -> dict[str, str]:
-    """Each field's docstring (the string literal right after it in the class body), by field name."""
-    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
-    docs = {}
-    for node, after in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
-                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
-            docs[node.target.id] = inspect.cleandoc(after.value.value)
-    return docs
 
 
 def _section_fields(section: str) -> list[str]:
