@@ -4,7 +4,7 @@ BatchNorm makes the forward pass stateful: in train mode it normalises with the 
 the batch it sees and updates its running averages (`nnx.BatchStat` variables). With
 `sync_batchnorm=True` every BatchNorm takes `axis_name=DATA_AXIS`, so inside `jax.shard_map` /
 `jax.pmap` over that axis its batch mean and variance are `lax.pmean`-ed over the devices: the
-statistics of the whole global batch, identical on every device (SyncBatchNorm, seed 000).
+statistics of the whole global batch, identical on every device (SyncBatchNorm).
 Without it each device normalises with its own shard's statistics, and the model the devices
 train is not the model one device would train on the global batch.
 """
