@@ -63,3 +63,20 @@ def reference_run(loss_fn, optimizer, params, data):
 def max_abs_diff(a, b):
     return max(float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
                for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def reference_grad_norms(loss_fn, optimizer, params, data):
+    """The global gradient norm the one-device reference sees at each step (what clipping compares with)."""
+    opt_state = optimizer.init(params)
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        grads = jax.grad(loss_fn)(params, batch)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
+
+    norms = []
+    for batch in data:
+        params, opt_state, norm = step(params, opt_state, batch)
+        norms.append(float(norm))
+    return norms
