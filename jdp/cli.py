@@ -143,7 +143,7 @@ def cmd_train(args) -> int:
 
 
 def cmd_plot(args) -> int:
-    from jdp.train import plot_metrics
+    from jdp.metrics import plot_metrics
 
     if args.out and not args.out.lower().endswith(".png"):
         raise ValueError(f"--out {args.out!r} must name a .png file.")
