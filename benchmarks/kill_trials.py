@@ -5,7 +5,9 @@
 One uninterrupted run is the reference. Then one run is killed (SIGKILL, no chance to clean up)
 again and again, each time restarted with the same command, until it completes: at random
 moments, and at moments when orbax has a checkpoint write in flight (its temporary directory
-exists). At the end every logged loss and the final params must equal the reference's exactly.
+exists). Random kills wait for the first complete checkpoint: a run killed before it restarts
+from scratch, which proves nothing about resuming. At the end every logged loss and the final
+params must equal the reference's exactly.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import argparse
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -50,21 +53,33 @@ def writing(workdir: str) -> bool:
     return os.path.isdir(ckpt) and any("tmp" in d for d in os.listdir(ckpt))
 
 
-def kill_once(workdir: str, steps: int, during_write: bool, rng: random.Random, timeout: float = 120) -> str:
-    """Start the run, SIGKILL it at a random moment (or mid-write); returns what happened."""
+def checkpointed(workdir: str) -> bool:
+    """A complete checkpoint exists (orbax renames a finished write to its step number)."""
+    ckpt = os.path.join(workdir, "checkpoints")
+    return os.path.isdir(ckpt) and any(d.isdigit() for d in os.listdir(ckpt))
+
+
+def kill_once(workdir: str, steps: int, during_write: bool, rng: random.Random, timeout: float = 120) -> tuple[str, bool]:
+    """Start the run, SIGKILL it at a random moment after a checkpoint exists (or mid-write).
+
+    Returns what happened, and whether a complete checkpoint existed when the kill landed.
+    """
     proc = subprocess.Popen(command(workdir, steps), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             env=ENV, cwd=ROOT)
-    deadline, started = time.monotonic() + timeout, time.monotonic()
-    delay = rng.uniform(2.0, 6.0)  # startup (imports, compile) takes ~2-3 s
+    deadline = time.monotonic() + timeout
+    delay, since = rng.uniform(0.0, 2.0), None  # seconds after the first complete checkpoint
     try:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                return "completed"
-            ready = time.monotonic() - started > delay
+                return "completed", checkpointed(workdir)
+            if since is None and checkpointed(workdir):
+                since = time.monotonic()
+            ready = during_write or (since is not None and time.monotonic() - since > delay)
             if ready and (not during_write or writing(workdir)):
+                had_checkpoint = checkpointed(workdir)  # read before the kill: the kill can land mid-rename
                 proc.send_signal(signal.SIGKILL)
                 proc.wait(timeout=30)
-                return "killed during a checkpoint write" if during_write else "killed"
+                return ("killed during a checkpoint write" if during_write else "killed"), had_checkpoint
             time.sleep(0.002 if during_write else 0.05)
         raise TimeoutError("the run neither finished nor reached a kill point in time")
     finally:
@@ -83,19 +98,24 @@ def run_trials(n_random: int, n_during_write: int, steps: int = 120, seed: int =
         work = os.path.join(base, "killed")
         plan = ["random"] * n_random + ["write"] * n_during_write
         rng.shuffle(plan)
-        events = []
+        events, after_checkpoint = [], []
         for kind in plan:
-            events.append(kill_once(work, steps, kind == "write", rng))
-            if events[-1] == "completed":
+            event, had_checkpoint = kill_once(work, steps, kind == "write", rng)
+            events.append(event)
+            after_checkpoint.append(event.startswith("killed") and had_checkpoint)
+            if event == "completed":
                 break
         final = subprocess.run(command(work, steps), capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=600)
         if final.returncode != 0:
             raise RuntimeError(f"the final resume failed: {final.stderr[-2000:]}")
+        resumed = re.search(r"resumed from step (\d+)", final.stdout)
         ref, got = last_losses(ref_dir), last_losses(work)
         mismatched = [s for s in ref if got.get(s) != ref[s]]
         params_equal = _params(ref_dir) == _params(work)
         return {"steps": steps, "events": events, "kills": sum(e.startswith("killed") for e in events),
                 "kills_during_write": sum(e == "killed during a checkpoint write" for e in events),
+                "kills_after_checkpoint": sum(after_checkpoint),
+                "final_run_resumed_from": int(resumed.group(1)) if resumed else None,
                 "steps_with_different_loss": len(mismatched), "final_params_bit_equal": params_equal}
     finally:
         shutil.rmtree(base, ignore_errors=True)

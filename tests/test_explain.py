@@ -53,19 +53,32 @@ def test_adam_eps_and_clipping_and_fp16():
 
 
 def test_cli_json(monkeypatch, capsys):
-    """The CLI's JSON: the seed numbers under their keys (the rest of the report is tested above)."""
+    """`jdp explain --json` end to end: the real CLI and the real `explain`, on a smaller grid.
+
+    The full report compiles ~60 steps (~35 s); here the matrix keeps SGD only, the ε sweep one
+    scale and the clipping count two steps. Every section of the report is still computed.
+    """
     import jdp.cli
 
-    def quick(ns, backend):  # the full report takes ~45 s; its parts have their own tests
-        return {"seed_single_param": ex.seed_single_param(backend), "seed_two_params": ex.seed_two_params(backend),
-                "matrix": [], "conclusion": ex.CONCLUSION, "backend": backend, "devices": list(ns)}
-
-    monkeypatch.setattr(ex, "explain", quick)
-    assert jdp.cli.main(["explain", "--json", "--devices", "2,4"]) == 0
-    results = json.loads(capsys.readouterr().out)
+    specs, sweep, rates = ex.matrix_specs, ex.adam_eps_sweep, ex.clipping_rates
+    monkeypatch.setattr(ex, "matrix_specs", lambda clip: {k: v for k, v in specs(clip).items() if k[0] == "sgd"})
+    monkeypatch.setattr(ex, "adam_eps_sweep", lambda n, backend="shard_map": sweep(n, scales=(1.0,), backend=backend))
+    monkeypatch.setattr(ex, "clipping_rates", lambda n, backend="shard_map": rates(n, steps=2, backend=backend))
+    assert jdp.cli.main(["explain", "--json", "--devices", "2"]) == 0
+    results = json.loads(capsys.readouterr().out)  # stdout is the JSON document and nothing else
+    assert set(results) >= {"seed_single_param", "seed_two_params", "matrix", "adam_eps", "clipping", "fp16",
+                            "conclusion", "backend"}
     assert_seed(results["seed_single_param"], SEED_1)
     assert_seed(results["seed_two_params"], SEED_2)
-    assert results["devices"] == [2, 4] and results["conclusion"].startswith("Averaging")
+    assert results["backend"] == "shard_map" and results["conclusion"].startswith("Averaging")
+    dev = {(r["clip"], r["reduction"]): r["max_abs_dparam"] for r in results["matrix"]}
+    assert {r["devices"] for r in results["matrix"]} == {2} and len(dev) == 2 * 4
+    for (clip, red), d in dev.items():
+        assert (d <= 1e-6) == (red in ("mean", "sum + exact") or (red == "sum + auto LR" and not clip)), (clip, red, d)
+    assert results["adam_eps"][0]["relative_deviation"] < 1e-3
+    assert {r["reduction"]: r["clipped_steps"] for r in results["clipping"]} == {
+        "mean": 0, "sum raw": 2, "sum + auto LR": 2, "sum + exact": 0}
+    np.testing.assert_allclose(results["fp16"]["jdp_mean_divide_first"], results["fp16"]["true_mean"], rtol=2e-3)
 
 
 def test_cli_rejects_bad_plot_path():

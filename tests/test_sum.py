@@ -102,7 +102,9 @@ def test_adamw_weight_decay_is_scaled_by_the_lr_correction():
         np.testing.assert_allclose(a, m / N, rtol=1e-5, atol=1e-7)
 
 
-SPECS = [jdp.OptimizerSpec(name, lr=lr, weight_decay=wd, clip_norm=clip)
+# Adam's ε = 1e-3, near |g|: an exact correction that forgot ε × N is off by 7.7e-3 (with the default
+# 1e-8, by 2.7e-6: too close to the 1e-6 tolerance to tell from rounding); done right, by 3e-8.
+SPECS = [jdp.OptimizerSpec(name, lr=lr, weight_decay=wd, clip_norm=clip, eps=1e-3)
          for name, lr, wd in [("sgd", 0.1, 0.0), ("momentum", 0.1, 0.0), ("adam", 1e-2, 0.0), ("adamw", 1e-2, 0.1)]
          for clip in (None, 0.05)]
 
