@@ -81,7 +81,7 @@ def markdown(report: dict) -> str:
                 f"gradients have the params' shapes and dtype, so they are counted as equal to the params. In fp32 "
                 f"that is 4 + 4 + 4 + 4 = {s['bytes_per_param_fp32_adam']} bytes/param, the same total as the usual "
                 f"estimate for AdamW in mixed precision (fp32 master 4 + m 4 + v 4 + bf16 weights 2 + bf16 grads 2 = "
-                f"{s['bytes_per_param_seed004_mixed_precision_adamw']}), made of different parts. Data parallelism "
+                f"{s['bytes_per_param_adamw_mixed_precision']}), made of different parts. Data parallelism "
                 f"replicates all of it: per-device memory does not shrink with more devices.", "",
                 "| MLP | params | devices | median ms/step | samples/s | first call s (compile + 1 step) | "
                 "params B/dev | grads B/dev | Adam state B/dev | total B/dev | bytes/param |",

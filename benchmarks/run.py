@@ -50,7 +50,7 @@ TARGETS = {"handwritten_over_jdp_shard_map": 0.97, "handwritten_over_jdp_pmap": 
            "handwritten_pmap_over_jdp_pmap": 0.97, "ddp_over_jdp": 2.5, "train_loop_over_step": 0.95}
 PARTS = ("handwritten", "ddp", "train_loop", "accum", "scaling")
 ADAM_FP32_BYTES_PER_PARAM = 16  # params 4 + grads 4 + Adam m 4 + v 4 (fp32 on CPU)
-SEED004_BYTES_PER_PARAM = 16  # AdamW mixed precision: fp32 master 4 + m 4 + v 4 + bf16 weights 2 + bf16 grads 2
+ADAMW_MIXED_BYTES_PER_PARAM = 16  # AdamW in mixed precision: fp32 master 4 + m 4 + v 4 + bf16 weights 2 + bf16 grads 2
 
 
 @dataclass(frozen=True)
@@ -402,7 +402,7 @@ def bench_scaling(plan: Plan) -> dict:
     return {"global_batch": GLOBAL_BATCH, "note": "strong scaling: the global batch stays 256; the fake devices "
             "share the same CPU cores, so more devices cannot be faster here", "rows": rows, "errors": errors,
             "bytes_per_param_fp32_adam": ADAM_FP32_BYTES_PER_PARAM,
-            "bytes_per_param_seed004_mixed_precision_adamw": SEED004_BYTES_PER_PARAM}
+            "bytes_per_param_adamw_mixed_precision": ADAMW_MIXED_BYTES_PER_PARAM}
 
 
 def ratios_table(report: dict) -> list[dict]:
