@@ -5,8 +5,9 @@
 
 A path is backend × reduction/lr_correction × accumulation mode × optimizer, plus model state,
 masked padding, dropout keys and non-finite skipping. A refactor that keeps behaviour leaves every
-array bit-identical. The one documented change: with accum_sync="every" the loss and aux reported on
-an update call are the mean over the optimizer step's M calls (they were that call's alone).
+array bit-identical. The one documented change: with accum_sync="every" the loss, aux and grad_norm
+reported on an update call cover the optimizer step's M calls, as with "last" (they covered that
+call alone), and calls between updates report NaN.
 """
 from __future__ import annotations
 
@@ -137,8 +138,8 @@ def paths():
 
 
 def documented_change(name: str, key: str) -> bool:
-    """accum_sync="every" now reports the step's mean loss/aux on update calls."""
-    return "_every." in name + "." and key in ("metric/loss", "metric/aux_accuracy")
+    """accum_sync="every" now reports the step's loss/aux/grad_norm on update calls, NaN between."""
+    return "_every" in name and key in ("metric/loss", "metric/aux_accuracy", "metric/grad_norm")
 
 
 def main(argv=None) -> int:

@@ -11,8 +11,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jdp.mesh import DATA_AXIS
-
-REDUCTIONS = ("mean", "sum")
+from jdp.options import REDUCTIONS
 
 
 def _low_precision(x) -> bool:

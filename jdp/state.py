@@ -11,12 +11,17 @@ from jdp.mesh import DATA_AXIS
 
 
 class LocalAccum(NamedTuple):
-    """Per-device sums over the micro-steps since the last update (accum_sync="last"); NOT replicated."""
+    """One device's sums over the calls of the current optimizer step (accum_steps > 1); NOT replicated.
+
+    accum_sync="last" sums this device's own micro-batch values and reduces them once, on the M-th
+    call. accum_sync="every" reduces on every call and sums only the reduced loss and aux, to report
+    their mean over the step (grads and examples are None).
+    """
 
     grads: Any  # sum of this device's micro-batch gradients, same pytree as params
-    loss: jax.Array  # sum of this device's micro-batch mean losses
-    aux: Any  # sum of this device's micro-batch aux metrics
-    examples: jax.Array  # real (unmasked) examples this device has seen since the last update
+    loss: jax.Array  # float32: sum of the micro-batch mean losses
+    aux: Any  # sum of the micro-batch aux metrics (None until the first call has shown aux's structure)
+    examples: jax.Array  # float32: real (unmasked) examples this device has seen since the last update
 
 
 class TrainState(struct.PyTreeNode):
@@ -30,7 +35,7 @@ class TrainState(struct.PyTreeNode):
     rng: jax.Array  # uint32[2] base key; each micro-step and device derives its own key from it
     skipped: jax.Array  # int32: updates skipped for non-finite gradients (skip_nonfinite=True)
     skip_streak: jax.Array  # int32: consecutive skipped updates up to now
-    accum: LocalAccum | None = None  # accum_sync="last" only: leaves (N, ...), one slice per device
+    accum: LocalAccum | None = None  # accum_steps > 1 only: leaves (N, ...), one row per device
     stacked: bool = struct.field(pytree_node=False, default=False)  # pmap layout: every leaf is (N, ...)
 
 

@@ -86,16 +86,16 @@ def _keys_seen(backend, n, seed, steps=2):
     seen = []
 
     def loss(params, batch, rng):
-        # A per-device value; aux is averaged, so report it through a one-hot slot per device.
-        slot = jax.nn.one_hot(batch["i"][0], n) * jax.random.uniform(rng)
-        return (params["w"] ** 2).sum() * 0.0, {"u": slot * n}
+        # A per-device value; aux is averaged (and scalar), so report it through one entry per device.
+        u = jax.random.uniform(rng)
+        return (params["w"] ** 2).sum() * 0.0, {f"u{d}": jnp.where(batch["i"][0] == d, u * n, 0.0) for d in range(n)}
 
     step = jdp.make_train_step(loss, optax.sgd(0.1), backend=backend, devices=jax.devices()[:n],
                                has_aux=True, needs_rng=True)
     state = step.init({"w": np.ones(3, np.float32)}, seed=seed)
     for _ in range(steps):
         state, m = step(state, {"i": np.arange(n, dtype=np.int32)})
-        seen.append(np.asarray(m["aux"]["u"]))
+        seen.append(np.array([m["aux"][f"u{d}"] for d in range(n)]))
     return np.stack(seen)
 
 

@@ -91,8 +91,9 @@ def dropout_probe(n, seed, trace_twice=False, backend="shard_map"):
 
     def loss_fn(params, batch, rng):
         out = fm.apply(params, batch["x"], train=True, rngs=rng)
-        slot = jax.nn.one_hot(batch["device"][0], n) * out.mean()
-        return 0.0 * out.mean(), {"probe": slot * n}
+        # aux is averaged over devices (and scalar): one entry per device carries its value out.
+        return 0.0 * out.mean(), {f"probe{d}": jnp.where(batch["device"][0] == d, out.mean() * n, 0.0)
+                                  for d in range(n)}
 
     step = jdp.make_train_step(loss_fn, optax.sgd(0.0), backend=backend, devices=jax.devices()[:n],
                                has_aux=True, needs_rng=True)
@@ -104,7 +105,7 @@ def dropout_probe(n, seed, trace_twice=False, backend="shard_map"):
     seen = []
     for _ in range(2):
         state, m = step(state, {"x": tokens, "device": np.arange(n, dtype=np.int32)})
-        seen.append(np.asarray(m["aux"]["probe"]))
+        seen.append(np.array([m["aux"][f"probe{d}"] for d in range(n)]))
     assert step.trace_count == (2 if trace_twice else 1)
     return np.stack(seen)
 
