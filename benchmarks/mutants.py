@@ -1,0 +1,274 @@
+"""Mutation check: deliberate bugs in jdp, each of which the tests must catch.
+
+  python -m benchmarks.mutants                 # every mutant, against the repo's jdp/
+  python -m benchmarks.mutants --only NAME     # one mutant
+  python -m benchmarks.mutants --jdp DIR       # mutate another copy of the package (e.g. an older commit's)
+  python -m benchmarks.mutants --baseline      # first, every selection on the unmutated copy: must pass
+  python -m benchmarks.mutants --list
+
+Each mutant is one edit: an exact snippet of a file under jdp/ that must occur exactly once there,
+and its replacement. For each, the package (the repo's jdp/, or --jdp DIR), the repo's tests/,
+benchmarks/, configs/ and pyproject.toml are copied into a fresh temporary directory, the edit is
+applied, and the mutant's selection of tests runs there (`python -m pytest -x`, cwd and PYTHONPATH
+the copy, so `import jdp` finds the mutant before the editable install; checked for every mutant,
+and the `sanity_import_fails` mutant proves it by failing at import with the copy's path).
+
+A mutant is caught when a test fails, survives when its selection passes. The table goes to stdout
+and benchmarks/results/mutants.md. Exit status 1 if any mutant survives, any snippet does not
+occur exactly once (a stale mutant is an error, never a pass), or a selection errs.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "benchmarks", "results", "mutants.md")
+SANITY = "mutant sanity check: jdp imported from"
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    file: str  # relative to the jdp package directory
+    old: str  # must occur exactly once in that file
+    new: str
+    tests: tuple[str, ...]  # pytest arguments: files or node ids relative to the repo, cheapest first; "-k" EXPR
+
+
+MUTANTS = [
+    Mutant("sanity_import_fails", "__init__.py",
+           '__version__ = "0.1.0"',
+           f'raise RuntimeError(f"{SANITY} {{__file__}}")',
+           ("tests/test_data_order.py",)),
+    Mutant("mean_forgets_1_over_n", "reduce.py",
+           'divide = [reduction == "mean" or not g for g in is_grad]',
+           'divide = [not g for g in is_grad]',  # the gradient is summed under "mean" too
+           ("tests/test_scale_visible.py", "-k", "adamw_eps_clip")),  # Adam + clip sees it now
+    Mutant("sum_also_sums_metrics", "reduce.py",
+           'divide = [reduction == "mean" or not g for g in is_grad]',
+           'divide = [reduction == "mean" for g in is_grad]',  # "sum" sums loss, aux and model state too
+           ("tests/test_sum_metrics.py",)),
+    Mutant("fp16_summed_before_dividing", "reduce.py",
+           "return x.dtype in (jnp.float16, jnp.bfloat16)",
+           "return False",
+           ("tests/test_sum.py::test_fp16_mean_divides_before_summing",)),
+    Mutant("last_sums_micro_grads", "step.py",
+           "mean_acc = jax.tree.map(lambda x: x / m, acc)",
+           "mean_acc = jax.tree.map(lambda x: x / m, acc)._replace(grads=acc.grads)",
+           ("tests/test_scale_visible.py", "-k", "adamw_eps_clip and last")),
+    Mutant("every_sums_micro_grads", "step.py",
+           "optax.MultiSteps(self.optimizer, every_k_schedule=self.accum_steps)",
+           "optax.MultiSteps(self.optimizer, every_k_schedule=self.accum_steps, use_grad_mean=False)",
+           ("tests/test_scale_visible.py", "-k", "adamw_eps_clip and every")),
+    Mutant("pcast_dropped", "step.py",
+           'params = lax.pcast(params, DATA_AXIS, to="varying")',
+           "params = params",
+           ("tests/test_traps.py",)),
+    Mutant("auto_forgets_1_over_n", "step.py",
+           "return optax.chain(tx, optax.scale(1.0 / n))",
+           "return tx",
+           ("tests/test_sum_metrics.py",)),
+    Mutant("mask_rescale_skipped", "step.py",
+           "scale = jnp.float32(slots_per_call) / mean_examples",
+           "scale = jnp.float32(1.0)",
+           ("tests/test_state_and_mask.py::test_padded_batch_equals_its_real_examples",)),
+    Mutant("skip_keeps_new_params", "step.py",
+           "return keep(params, state.params), keep(opt_state, state.opt_state), ~finite",
+           "return params, keep(opt_state, state.opt_state), ~finite",
+           ("tests/test_nonfinite.py",)),
+    Mutant("key_not_folded_with_device", "state.py",
+           "return jax.random.fold_in(jax.random.fold_in(base_key, micro_step), lax.axis_index(DATA_AXIS))",
+           "return jax.random.fold_in(base_key, micro_step)",
+           ("tests/test_model_dp.py::test_dropout_masks_differ_per_device_and_step_and_are_reproducible",)),
+    Mutant("key_not_folded_with_micro_step", "state.py",
+           "return jax.random.fold_in(jax.random.fold_in(base_key, micro_step), lax.axis_index(DATA_AXIS))",
+           "return jax.random.fold_in(base_key, lax.axis_index(DATA_AXIS))",
+           ("tests/test_model_dp.py::test_dropout_masks_differ_per_device_and_step_and_are_reproducible",)),
+    Mutant("restore_resets_micro_step", "checkpoint.py",
+           'return step.place(restored.state, like), saved["data_state"], step_number',
+           'return step.place(restored.state.replace(micro_step=restored.state.micro_step * 0), like), '
+           'saved["data_state"], step_number',
+           ("tests/test_resume_rng.py::test_dropout_model_resumes_bit_exactly",)),  # the dropout keys diverge
+    Mutant("restore_resets_step", "checkpoint.py",
+           'return step.place(restored.state, like), saved["data_state"], step_number',
+           'return step.place(restored.state.replace(step=restored.state.step * 0), like), '
+           'saved["data_state"], step_number',
+           ("tests/test_resume_rng.py::test_restore_brings_back_every_counter",)),
+    Mutant("restore_resets_skip_counters", "checkpoint.py",
+           'return step.place(restored.state, like), saved["data_state"], step_number',
+           'return step.place(restored.state.replace(skipped=restored.state.skipped * 0, '
+           'skip_streak=restored.state.skip_streak * 0), like), saved["data_state"], step_number',
+           ("tests/test_resume_rng.py::test_restore_brings_back_every_counter",)),
+    Mutant("epoch_not_in_seed", "data.py",
+           "np.random.SeedSequence([seed, epoch])",
+           "np.random.SeedSequence([seed, 0])",
+           ("tests/test_data_order.py", "tests/test_data.py::test_every_epoch_has_a_new_order")),
+    Mutant("epoch_order_rolled", "data.py",
+           "np.random.SeedSequence([seed, epoch])).permutation(n)",
+           "np.random.SeedSequence([seed, epoch])).permutation(n)[np.arange(n) - 1]",  # one position late
+           ("tests/test_data_order.py",)),
+    Mutant("batch_positions_shifted", "data.py",
+           "positions = c * self.local_batch_size + np.arange(self.local_batch_size)",
+           "positions = c * self.local_batch_size + np.arange(self.local_batch_size) + 1",
+           ("tests/test_data_order.py", "tests/test_data.py::test_batches_follow_the_documented_order")),
+    Mutant("drop_last_false_extra_batch", "data.py",
+           "-(-n // self.global_batch_size)",
+           "n // self.global_batch_size + 1",
+           ("tests/test_drop_last_divisible.py",)),
+    Mutant("exact_forgets_eps_times_n", "optim.py",
+           'changes["eps"] = spec.eps * n',
+           'changes["eps"] = spec.eps',
+           ("tests/test_sum.py::test_exact_correction_makes_sum_equal_mean[adam-clipNone-shard_map]",)),
+    Mutant("exact_forgets_clip_times_n", "optim.py",
+           'changes["clip_norm"] = spec.clip_norm * n',
+           'changes["clip_norm"] = spec.clip_norm',
+           ("tests/test_train_reference.py",)),
+]
+
+
+def occurrences(mutant: Mutant, jdp_dir: str) -> int:
+    with open(os.path.join(jdp_dir, mutant.file), encoding="utf-8") as f:
+        return f.read().count(mutant.old)
+
+
+def _copy_tree(src: str, dst: str) -> None:
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "results", "runs"))
+
+
+def baseline() -> Mutant:
+    """No edit, and every mutant's selection: in the copy, unmutated, all of it must pass."""
+    tests = tuple(dict.fromkeys(t for m in MUTANTS if m.name != "sanity_import_fails" for t in m.tests
+                                if t.startswith("tests/")))  # whole files where a mutant narrows with -k
+    return Mutant("baseline (no mutant)", "__init__.py", "", "", tests)
+
+
+def scratch_copy(mutant: Mutant, jdp_dir: str, base: str) -> str:
+    """A fresh directory holding the mutated package, the repo's tests and what they read."""
+    where = tempfile.mkdtemp(prefix=f"{mutant.name}-", dir=base)
+    _copy_tree(jdp_dir, os.path.join(where, "jdp"))
+    for name in ("tests", "benchmarks", "configs"):
+        _copy_tree(os.path.join(ROOT, name), os.path.join(where, name))
+    shutil.copy(os.path.join(ROOT, "pyproject.toml"), where)
+    if not mutant.old:  # the baseline
+        return where
+    path = os.path.join(where, "jdp", mutant.file)
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if text.count(mutant.old) != 1:
+        raise ValueError(f"mutant {mutant.name}: its snippet occurs {text.count(mutant.old)} times in jdp/{mutant.file}, "
+                         f"not once: {mutant.old!r}")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text.replace(mutant.old, mutant.new))
+    return where
+
+
+def run_mutant(mutant: Mutant, jdp_dir: str, base: str, timeout: float) -> dict:
+    t0 = time.perf_counter()
+    where = scratch_copy(mutant, jdp_dir, base)
+    env = {**os.environ, "PYTHONPATH": where, "PYTHONDONTWRITEBYTECODE": "1"}
+    env.pop("XLA_FLAGS", None)  # tests/conftest.py sets the device count
+    try:
+        # `import jdp` must find the copy, not the editable install of the repo's jdp/.
+        origin = subprocess.run([sys.executable, "-c", "import importlib.util; print(importlib.util.find_spec('jdp').origin)"],
+                                capture_output=True, text=True, cwd=where, env=env, timeout=60).stdout.strip()
+        if not origin.startswith(where + os.sep):
+            return {"status": "error", "detail": f"`import jdp` found {origin!r}, not the mutated copy",
+                    "seconds": time.perf_counter() - t0}
+        try:
+            r = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *mutant.tests],
+                               capture_output=True, text=True, cwd=where, env=env, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"status": "error", "detail": f"timed out after {timeout:.0f} s", "seconds": time.perf_counter() - t0}
+        out = r.stdout + r.stderr
+        seconds = time.perf_counter() - t0
+        failed = re.search(r"^(?:FAILED|ERROR) (\S+)", out, re.MULTILINE)
+        if mutant.name == "sanity_import_fails":  # it must fail at import, from the copy
+            if f"{SANITY} {os.path.join(where, 'jdp')}" in out:
+                return {"status": "caught", "detail": "import jdp (the mutated copy)", "seconds": seconds}
+            return {"status": "error", "detail": "the sanity mutant did not fail at import of the copy",
+                    "seconds": seconds, "output": out[-3000:]}
+        if r.returncode == 0:
+            if not mutant.old:
+                return {"status": "passed", "detail": "every selection passes unmutated", "seconds": seconds}
+            return {"status": "survived", "detail": "", "seconds": seconds}
+        if r.returncode == 1 and failed:
+            return {"status": "caught", "detail": failed.group(1), "seconds": seconds}
+        return {"status": "error", "detail": f"pytest exit status {r.returncode}", "seconds": seconds,
+                "output": out[-3000:]}
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+
+
+def source_label(jdp_dir: str) -> str:
+    """The package's git commit, if it is in a git checkout (no local paths in the results)."""
+    r = subprocess.run(["git", "-C", jdp_dir, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run(["git", "-C", jdp_dir, "status", "--porcelain", "--", "."], capture_output=True, text=True)
+    if r.returncode:
+        return "jdp/ (not in a git checkout)"
+    return f"jdp/ at commit {r.stdout.strip()}" + (" with uncommitted changes" if dirty.stdout.strip() else "")
+
+
+def table(rows: list[tuple[Mutant, dict]]) -> str:
+    lines = ["| mutant | file | caught by | time |", "|---|---|---|---|"]
+    for m, res in rows:
+        verdict = res["detail"] if res["status"] in ("caught", "passed") else f"**{res['status'].upper()}** {res['detail']}".strip()
+        lines.append(f"| {m.name} | {f'jdp/{m.file}' if m.old else '—'} | {verdict} | {res['seconds']:.0f} s |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--jdp", default=os.path.join(ROOT, "jdp"), metavar="DIR", help="the package to mutate")
+    p.add_argument("--only", metavar="NAME", help="run this mutant only")
+    p.add_argument("--list", action="store_true", help="list the mutants and exit")
+    p.add_argument("--baseline", action="store_true", help="first run every selection unmutated (it must pass)")
+    p.add_argument("--timeout", type=float, default=900, help="seconds per mutant's pytest run")
+    a = p.parse_args(argv)
+    jdp_dir = os.path.abspath(a.jdp)
+    if a.list:
+        for m in MUTANTS:
+            print(f"{m.name:32s} jdp/{m.file:14s} {' '.join(m.tests)}")
+        return 0
+    chosen = [m for m in MUTANTS if a.only in (None, m.name)]
+    if not chosen:
+        print(f"no mutant named {a.only!r}; see --list", file=sys.stderr)
+        return 2
+    stale = [(m, n) for m in chosen if (n := occurrences(m, jdp_dir)) != 1]
+    for m, n in stale:
+        print(f"STALE mutant {m.name}: its snippet occurs {n} times in jdp/{m.file}: {m.old!r}", file=sys.stderr)
+    if stale:
+        return 1
+    rows, t0 = [], time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="jdp-mutants-") as base:
+        for m in ([baseline()] if a.baseline else []) + chosen:
+            res = run_mutant(m, jdp_dir, base, a.timeout)
+            rows.append((m, res))
+            print(f"{m.name}: {res['status']} {res['detail']} ({res['seconds']:.0f} s)", file=sys.stderr, flush=True)
+            if res["status"] == "error" and res.get("output"):
+                print(res["output"], file=sys.stderr)
+    total = time.perf_counter() - t0
+    bad = [m.name for m, res in rows if res["status"] not in ("caught", "passed")]
+    mutants = sum(bool(m.old) for m, _ in rows)
+    report = (f"# Mutation check\n\n`python -m benchmarks.mutants{' --baseline' if a.baseline else ''}`: {mutants} "
+              f"mutants of {source_label(jdp_dir)}, {mutants - len(bad)} caught, in {total:.0f} s on "
+              f"{os.cpu_count()} CPU cores.\n\n{table(rows)}\n")
+    print(report)
+    if a.only is None:
+        os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
+        with open(RESULTS, "w", encoding="utf-8") as f:
+            f.write(report)
+    if bad:
+        print(f"not caught: {', '.join(bad)}", file=sys.stderr)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

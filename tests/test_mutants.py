@@ -1,0 +1,32 @@
+"""The mutation check's list stays in step with the code: every snippet occurs exactly once.
+
+`python -m benchmarks.mutants` runs the mutants (minutes); this only checks that each one still
+applies, so a refactor that moves a line makes a mutant fail loudly here instead of going stale.
+JDP_MUTANTS_SOURCE names another copy of the package to check (as `--jdp` does for the runner).
+"""
+import os
+import pathlib
+
+import pytest
+
+from benchmarks.mutants import MUTANTS
+
+ROOT = pathlib.Path(__file__).parents[1]
+SOURCE = pathlib.Path(os.environ.get("JDP_MUTANTS_SOURCE", ROOT / "jdp"))
+
+
+@pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.name)
+def test_snippet_occurs_exactly_once(mutant):
+    text = (SOURCE / mutant.file).read_text(encoding="utf-8")
+    assert text.count(mutant.old) == 1, f"{mutant.name}: {mutant.old!r} occurs {text.count(mutant.old)} times " \
+                                        f"in {mutant.file}; re-target the mutant"
+    assert mutant.new != mutant.old
+
+
+def test_names_are_unique_and_selections_exist():
+    assert len({m.name for m in MUTANTS}) == len(MUTANTS)
+    for m in MUTANTS:
+        assert m.tests, m.name
+        for selection in m.tests:
+            if selection.startswith("tests/"):  # a file or node id; "-k" and its expression pass through
+                assert (ROOT / selection.split("::")[0]).is_file(), (m.name, selection)
