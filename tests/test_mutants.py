@@ -17,9 +17,8 @@ SOURCE = pathlib.Path(os.environ.get("JDP_MUTANTS_SOURCE", ROOT / "jdp"))
 
 @pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.name)
 def test_snippet_occurs_exactly_once(mutant):
-    text = (SOURCE / mutant.file).read_text(encoding="utf-8")
-    assert text.count(mutant.old) == 1, f"{mutant.name}: {mutant.old!r} occurs {text.count(mutant.old)} times " \
-                                        f"in {mutant.file}; re-target the mutant"
+    found = (SOURCE / mutant.file).read_text(encoding="utf-8").count(mutant.old)
+    assert found == 1, f"{mutant.name}: {mutant.old!r} occurs {found} times in jdp/{mutant.file}; re-target the mutant"
     assert mutant.new != mutant.old
 
 
