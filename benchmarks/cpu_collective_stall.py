@@ -81,7 +81,7 @@ JDP = MODEL + textwrap.dedent('''
         return optax.softmax_cross_entropy_with_integer_labels(h, batch["y"]).mean()
     step = jdp.make_train_step(loss_fn, optax.adam(1e-3))
     if not bound:
-        step.max_inflight = None
+        step.run_ahead.limit = None
     state = step.init(params)
     t0 = time.perf_counter()
     for s in range(STEPS):

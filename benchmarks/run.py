@@ -139,7 +139,7 @@ def _handwritten(params, mesh, placed):
 
     hand = jax.jit(jax.shard_map(hand_step, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P(), P()),
                                  check_vma=False), donate_argnums=(0, 1))
-    rep = jdp.replicated(mesh)
+    rep = jdp.mesh.replicated(mesh)
     hp = jax.device_put(jax.tree.map(np.asarray, params), rep)
     box = [(hp, jax.jit(tx.init, out_shardings=rep)(hp))]
 

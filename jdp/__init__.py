@@ -2,15 +2,18 @@
 
 N devices each take the mean loss over their shard, all-reduce-average the gradients, and take
 exactly the step one device would take on the whole global batch.
+
+The public API is what this module exports; everything else lives in its module (`jdp.reduce`,
+`jdp.layouts`, `jdp.algorithm`, `jdp.data`, `jdp.models`, `jdp.train`, ...).
 """
 from jdp import cpu
 from jdp.comm import CommReport, comm_report
+from jdp.mesh import DATA_AXIS, make_mesh
 from jdp.optim import OptimizerSpec, exact_sum_spec
-from jdp.mesh import DATA_AXIS, batch_sharded, make_mesh, replicated
-from jdp.reduce import mean_over_devices, reduce_step_values, sum_over_devices
+from jdp.options import StepOptions
 from jdp.replicas import ReplicaMismatchError, check_replicas, replica_mismatches
-from jdp.state import LocalAccum, TrainState, device_key
-from jdp.step import TrainStep, get_params, get_tree, make_train_step
+from jdp.state import TrainState
+from jdp.step import TrainStep, get_params, make_train_step
 
 __version__ = "0.1.0"
 
@@ -18,7 +21,19 @@ __version__ = "0.1.0"
 cpu.configure_cpu_threads()
 
 __all__ = [
-    "CommReport", "DATA_AXIS", "comm_report", "OptimizerSpec", "exact_sum_spec", "ReplicaMismatchError", "TrainState", "TrainStep", "batch_sharded", "check_replicas",
-    "device_key", "get_params", "get_tree", "make_mesh", "make_train_step", "mean_over_devices",
-    "reduce_step_values", "LocalAccum", "replica_mismatches", "replicated", "sum_over_devices",
+    "CommReport",
+    "DATA_AXIS",
+    "OptimizerSpec",
+    "ReplicaMismatchError",
+    "StepOptions",
+    "TrainState",
+    "TrainStep",
+    "check_replicas",
+    "comm_report",
+    "cpu",
+    "exact_sum_spec",
+    "get_params",
+    "make_mesh",
+    "make_train_step",
+    "replica_mismatches",
 ]

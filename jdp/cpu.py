@@ -8,11 +8,12 @@ blocked (launches, plus executions waiting on the all-reduce), the device whose 
 still queued never runs, the others wait in the rendezvous, and XLA aborts after 40 s
 ("Expected N threads to join the rendezvous"). That needs ~2N threads to rule out, far more than
 2 cores give. jdp therefore (1) sizes the pool to 2N + 2 threads via `PJRT_NPROC` before jax
-starts its CPU backend, and (2) bounds its own step's run-ahead (`TrainStep.max_inflight`).
+starts its CPU backend, and (2) bounds its own step's run-ahead (`RunAhead`).
 `benchmarks/cpu_collective_stall.py` measures both.
 """
 from __future__ import annotations
 
+import collections
 import os
 import re
 
@@ -81,3 +82,26 @@ def use_cpu_devices(n: int) -> None:
                          f"{jax.default_backend()} device(s); set it before any jax computation.")
     jax.config.update("jax_num_cpu_devices", n)
     configure_cpu_threads(n)
+
+
+class RunAhead:
+    """Bounds how many steps the host dispatches ahead of the devices: `limit` (None: unbounded).
+
+    On CPU devices XLA admits 32 launches per device and then blocks a client-pool thread per
+    launch, which can starve the threads that run the steps and deadlock the all-reduce; 16 in
+    flight never reaches that. Accelerators need no bound.
+    """
+
+    def __init__(self, devices):
+        self.limit = 16 if all(d.platform == "cpu" for d in devices) else None
+        self._inflight = collections.deque()
+
+    def wait(self) -> None:
+        """Before a launch: wait for the oldest step in flight if `limit` are (only if the devices lag)."""
+        if self.limit is not None and len(self._inflight) >= self.limit:
+            self._inflight.popleft().block_until_ready()
+
+    def launched(self, marker) -> None:
+        """After a launch: remember `marker` (an output of that step) to wait on later."""
+        if self.limit is not None:
+            self._inflight.append(marker)

@@ -13,7 +13,9 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jdp.mesh import DATA_AXIS, batch_sharded, replicated
-from jdp.state import TrainState
+from jdp.state import LocalAccum, TrainState
+
+UNSIZED = None  # the aux part of an accumulator before the first call has shown aux's structure
 
 
 ACCUMULATORS = (None, "per_device", "replicated")  # what a state's `accum` holds (see `TrainStep`)
@@ -57,9 +59,23 @@ class ShardMapLayout:
         """The layout of a one-copy state without accumulator (inside jit; `state_shardings` place it)."""
         return state
 
-    def spread_accum(self, accum):
-        """The layout of an accumulator: per-device rows as they are, a replicated one as one copy."""
-        return accum
+    def empty_accum(self, params, aux) -> LocalAccum | None:
+        """A zero accumulator in this layout (inside jit; `state_shardings.accum` places it).
+
+        "per_device" (accum_sync="last"): one row per device of gradient, loss, aux and example
+        sums; "replicated" ("every"): one copy of the loss and aux sums. `aux` may be UNSIZED.
+        """
+        f32 = jax.ShapeDtypeStruct((), jnp.float32)
+        if self.accum == "per_device":
+            rows = lambda tree: jax.tree.map(lambda x: jnp.zeros((self.num_devices, *jnp.shape(x)), x.dtype), tree)  # noqa: E731
+            return LocalAccum(rows(params), rows(f32), rows(aux), rows(f32))
+        if self.accum == "replicated":
+            zeros = lambda tree: jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), x.dtype), tree)  # noqa: E731
+            return self._copies(LocalAccum(None, zeros(f32), zeros(aux), None))
+        return None
+
+    def _copies(self, tree):
+        return tree
 
     def canonical(self, state: TrainState) -> TrainState:
         return state
@@ -103,12 +119,9 @@ class PmapLayout(ShardMapLayout):
         return accum
 
     def spread(self, state: TrainState) -> TrainState:
-        return self._stack(state).replace(stacked=True)
+        return self._copies(state).replace(stacked=True)
 
-    def spread_accum(self, accum):
-        return accum if self.accum == "per_device" else self._stack(accum)  # rows: one per device already
-
-    def _stack(self, tree):
+    def _copies(self, tree):
         return jax.tree.map(lambda x: jnp.broadcast_to(x, (self.num_devices, *x.shape)), tree)
 
     def canonical(self, state: TrainState) -> TrainState:
@@ -135,3 +148,12 @@ class PmapLayout(ShardMapLayout):
 
 
 LAYOUTS = {"shard_map": ShardMapLayout, "pmap": PmapLayout}
+
+
+def aux_shapes(loss, mesh: Mesh, params, model_state, device_batch):
+    """The structure of `loss`'s aux for one device's batch shapes, traced on the mesh (so that
+    collectives inside the loss, e.g. synchronised BatchNorm, have their axis)."""
+    n = mesh.devices.size
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0] * n, *x.shape[1:]), x.dtype), device_batch)
+    traced = jax.shard_map(loss, mesh=mesh, in_specs=(P(), P(), P(DATA_AXIS), P()), out_specs=P(), check_vma=False)
+    return jax.eval_shape(traced, params, model_state, batch, jax.ShapeDtypeStruct((2,), jnp.uint32))[1][0]

@@ -7,7 +7,6 @@ and does the host side: the initial state, placing batches, bounding how far the
 """
 from __future__ import annotations
 
-import collections
 import weakref
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -16,17 +15,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import PartitionSpec as P
-
 from jdp.algorithm import Step, batch_rows, call_loss, device_step
-from jdp.layouts import LAYOUTS
-from jdp.mesh import DATA_AXIS, batch_sharded, make_mesh
+from jdp.cpu import RunAhead
+from jdp.layouts import LAYOUTS, UNSIZED, aux_shapes
+from jdp.mesh import batch_sharded, make_mesh
 from jdp.optim import OptimizerSpec, for_reduction
 from jdp.options import StepOptions
-from jdp.state import LocalAccum, TrainState
-
-UNSIZED = None  # the aux part of an accumulator before the first call has shown aux's structure
-
+from jdp.state import TrainState
 
 class TrainStep:
     """A compiled data-parallel training step. Build it with `make_train_step`."""
@@ -54,11 +49,7 @@ class TrainStep:
         self._loss = partial(call_loss, loss_fn, o)
         self._step = self.layout.compile(partial(self._traced, Step(self._loss, self.optimizer, o, self.layout)))
         self._init = jax.jit(self._init_state, out_shardings=self.layout.state_shardings)
-        # Steps allowed in flight before __call__ waits for the oldest (None: unbounded). On CPU
-        # devices XLA admits 32 per device and then blocks a client-pool thread per launch, which
-        # can starve the threads that run the steps and deadlock the all-reduce (jdp/cpu.py).
-        self.max_inflight = 16 if all(d.platform == "cpu" for d in self.devices) else None
-        self._inflight = collections.deque()
+        self.run_ahead = RunAhead(self.devices)  # bounds steps in flight on CPU devices (see jdp.cpu)
         self._placed = weakref.WeakValueDictionary()  # arrays shard_batch produced, by id
         self.trace_count = 0  # how often the step was traced (= compiled); tests assert it stays 1
 
@@ -75,18 +66,7 @@ class TrainStep:
         zero = jnp.zeros((), jnp.int32)
         state = TrainState(step=zero, micro_step=zero, params=params, opt_state=self.optimizer.init(params),
                            model_state=model_state, rng=key, skipped=zero, skip_streak=zero)
-        return self.layout.spread(state).replace(accum=self._empty_accum(params, aux))
-
-    def _empty_accum(self, params, aux) -> LocalAccum | None:
-        """A zero accumulator in this step's layout (inside jit); see LocalAccum for each mode."""
-        o, f32 = self.options, jax.ShapeDtypeStruct((), jnp.float32)
-        if o.accum_steps == 1:
-            return None
-        if o.local_accum:  # one row per device
-            rows = lambda tree: jax.tree.map(lambda x: jnp.zeros((self.num_devices, *jnp.shape(x)), x.dtype), tree)  # noqa: E731
-            return LocalAccum(rows(params), rows(f32), rows(aux), rows(f32))
-        zeros = lambda tree: jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), x.dtype), tree)  # noqa: E731
-        return self.layout.spread_accum(LocalAccum(None, zeros(f32), zeros(aux), None))
+        return self.layout.spread(state).replace(accum=self.layout.empty_accum(params, aux))
 
     def init(self, params, model_state=(), *, seed: int = 0, example_batch=None) -> TrainState:
         """The initial state: `params` (a pytree of arrays, the same on every host) on every device.
@@ -103,22 +83,16 @@ class TrainStep:
             raise ValueError("model_state was given but the step was made without has_state=True, so loss_fn "
                              "would never see or update it.")
         state = self._init(params, model_state, jax.random.key_data(jax.random.key(seed)),
-                           {} if not self.options.has_aux else UNSIZED)
+                           UNSIZED if self.options.has_aux else {})
         return state if example_batch is None else self._sized(state, self.shard_batch(example_batch))
 
     def _sized(self, state: TrainState, placed) -> TrainState:
         """`state` with the accumulator's aux sums sized from aux's structure (traced on the mesh)."""
         if state.accum is None or state.accum.aux is not UNSIZED:
             return state
-        local = self.layout.device_batch(placed)
-        batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0] * self.num_devices, *x.shape[1:]), x.dtype),
-                             local)
         one = jax.eval_shape(self.canonical, state)
-        key = jax.ShapeDtypeStruct((2,), jnp.uint32)
-        traced = jax.shard_map(self._loss, mesh=self.mesh, in_specs=(P(), P(), P(DATA_AXIS), P()), out_specs=P(),
-                               check_vma=False)
-        aux = jax.eval_shape(traced, one.params, one.model_state, batch, key)[1][0]
-        empty = jax.jit(lambda: self._empty_accum(one.params, aux), out_shardings=self.layout.state_shardings.accum)
+        aux = aux_shapes(self._loss, self.mesh, one.params, one.model_state, self.layout.device_batch(placed))
+        empty = jax.jit(lambda: self.layout.empty_accum(one.params, aux), out_shardings=self.layout.state_shardings.accum)
         return state.replace(accum=empty())
 
     def shard_batch(self, batch):
@@ -175,11 +149,9 @@ class TrainStep:
         self._check_state(state)
         batch = self.shard_batch(batch)
         state = self._sized(state, batch)
-        if self.max_inflight is not None and len(self._inflight) >= self.max_inflight:
-            self._inflight.popleft().block_until_ready()  # waits only if the devices are far behind
+        self.run_ahead.wait()
         state, metrics = self._step(state, batch)
-        if self.max_inflight is not None:
-            self._inflight.append(metrics["micro_step"])
+        self.run_ahead.launched(metrics["micro_step"])
         return state, metrics
 
     def canonical(self, state: TrainState) -> TrainState:

@@ -83,20 +83,16 @@ def train(config: Config, workdir: str, *, devices=None, log=print, progress: bo
     p, t = config.parallel, config.train
     task = build_task(config)
     spec = config.optimizer_spec()  # the optax chain (schedule included) and the lr it logs
-    # Skipping needs the update in one place: not MultiSteps' accumulate-every-call mode.
-    max_nonfinite = 0 if (p.accum_steps > 1 and p.accum_sync == "every") else t.max_nonfinite
     step = make_train_step(task.loss_fn, spec, backend=p.backend, reduction=p.reduction,
                            lr_correction=p.lr_correction, devices=devices, has_aux=True, needs_rng=True,
                            has_state=True, accum_steps=p.accum_steps, accum_sync=p.accum_sync,
-                           skip_nonfinite=max_nonfinite > 0)
+                           skip_nonfinite=t.max_nonfinite > 0)
     # Every process must be about to run the same thing (config, data, length) before any step.
     agree({"config": config_hash(config), "train_examples": len(task.train), "steps": t.steps,
            "devices": len(devices)})
     batches = make_batches(task.train, config.data.batch_size, seed=t.seed, drop_last=config.data.drop_last,
                            process_index=jax.process_index(), num_processes=jax.process_count())
-    micro_size = config.data.batch_size // p.accum_steps  # an example micro-batch sizes the aux accumulator
-    state = step.init(task.params, task.model_state, seed=t.seed,
-                      example_batch={k: v[:micro_size] for k, v in task.train.arrays.items()})
+    state = step.init(task.params, task.model_state, seed=t.seed)
     run = {"identity": run_identity(config), "config": config.to_dict(), "devices": len(devices)}
     checkpoints = Checkpointer(os.path.join(workdir, "checkpoints"), keep=t.keep_checkpoints)
     eval_step = make_eval_step(task.metric_fn, step.mesh) if task.test is not None else None
@@ -133,7 +129,7 @@ def train(config: Config, workdir: str, *, devices=None, log=print, progress: bo
             record = {"step": s}
             if itstime(s, t.log_every, end):
                 m = jax.device_get(metrics)
-                _check_finite(s, m, max_nonfinite)
+                _check_finite(s, m, t.max_nonfinite)
                 record |= _train_record(m, state, lr=spec.learning_rate(s - 1), samples=config.data.batch_size,
                                         steps_per_s=throughput(s), flops_per_step=flops_per_step, peak=peak)
                 final_loss = record["loss"]

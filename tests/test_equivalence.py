@@ -38,4 +38,4 @@ def test_matches_one_device(references, opt, n, backend):
     # The run actually trained: params moved well beyond the tolerance.
     assert max_abs_diff(ref_params, mlp_params()) > 100 * STEPS_TOL
     jdp.check_replicas(state)
-    assert int(jdp.get_tree(state, state.step)) == len(DATA)
+    assert int(jdp.step.get_tree(state, state.step)) == len(DATA)

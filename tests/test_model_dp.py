@@ -34,7 +34,7 @@ def train(fm, loss_fn, data, n, backend="shard_map", needs_rng=False):
     state = step.init(fm.params, fm.rest)
     for batch in data:
         state, _ = step(state, batch)
-    return jdp.get_params(state), jdp.get_tree(state, state.model_state)
+    return jdp.get_params(state), jdp.step.get_tree(state, state.model_state)
 
 
 def digits_batches(images, steps=3, size=32):

@@ -29,10 +29,10 @@ def test_nan_batch_is_skipped_and_counted(backend, m, sync):
         state, metrics = step(state, micro)
     assert bool(metrics["skipped"]) and not bool(metrics["updated"])
     assert max_abs_diff(jdp.get_params(state), before) == 0.0
-    assert int(jdp.get_tree(state, state.skip_streak)) == 1 and int(jdp.get_tree(state, state.skipped)) == 1
+    assert int(jdp.step.get_tree(state, state.skip_streak)) == 1 and int(jdp.step.get_tree(state, state.skipped)) == 1
     for micro in step.micro_batches(good[1]):
         state, metrics = step(state, micro)
-    assert int(jdp.get_tree(state, state.skip_streak)) == 0 and int(jdp.get_tree(state, state.skipped)) == 1
+    assert int(jdp.step.get_tree(state, state.skip_streak)) == 0 and int(jdp.step.get_tree(state, state.skipped)) == 1
     # The skipped step left no trace: the result equals a run that never saw the NaN batch.
     ref, _ = reference_run(mlp_loss, optax.adam(1e-2), mlp_params(), good)
     assert max_abs_diff(jdp.get_params(state), ref) <= 2e-5

@@ -69,7 +69,7 @@ def test_restore_brings_back_every_counter(tmp_path, backend):
         for micro in step.micro_batches(global_batch):
             state, _ = step(state, micro)
     # 4 updates (the poisoned two skipped) of 2 micro-batches; the last one skipped: a streak of 1.
-    counters = {k: int(jdp.get_tree(state, getattr(state, k))) for k in ("step", "micro_step", "skipped", "skip_streak")}
+    counters = {k: int(jdp.step.get_tree(state, getattr(state, k))) for k in ("step", "micro_step", "skipped", "skip_streak")}
     assert counters == {"step": 4, "micro_step": 8, "skipped": 2, "skip_streak": 1}
 
     checkpoints = Checkpointer(str(tmp_path / "checkpoints"))
@@ -80,8 +80,8 @@ def test_restore_brings_back_every_counter(tmp_path, backend):
     restored, data_state, number = checkpoints.restore(step, fresh, run)
     checkpoints.close()
     assert (data_state, number) == ({"position": 8}, 4)
-    assert {k: int(jdp.get_tree(restored, getattr(restored, k))) for k in counters} == counters
+    assert {k: int(jdp.step.get_tree(restored, getattr(restored, k))) for k in counters} == counters
     for name in ("params", "opt_state", "rng"):
-        for a, b in zip(jax.tree.leaves(jdp.get_tree(restored, getattr(restored, name))),
-                        jax.tree.leaves(jdp.get_tree(state, getattr(state, name)))):
+        for a, b in zip(jax.tree.leaves(jdp.step.get_tree(restored, getattr(restored, name))),
+                        jax.tree.leaves(jdp.step.get_tree(state, getattr(state, name)))):
             np.testing.assert_array_equal(a, b, err_msg=name)

@@ -60,7 +60,7 @@ def test_model_state_is_carried_and_averaged(backend):
     want = np.zeros(12)
     for batch in data:
         want = 0.9 * want + 0.1 * batch["x"].mean(axis=0)
-    np.testing.assert_allclose(jdp.get_tree(state, state.model_state)["mean"], want, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(jdp.step.get_tree(state, state.model_state)["mean"], want, rtol=1e-5, atol=1e-7)
     ref, _ = reference_run(mlp_loss, optax.adam(1e-2), mlp_params(), data)
     assert max_abs_diff(jdp.get_params(state), ref) <= 2e-5
     jdp.check_replicas(state)

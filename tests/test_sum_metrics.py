@@ -54,7 +54,7 @@ def test_sum_reports_means_for_every_correction(correction, backend):
         state, metrics = step(state, batch)
         np.testing.assert_allclose(metrics["loss"], loss, rtol=1e-6)
         np.testing.assert_allclose(metrics["aux"]["accuracy"], accuracy, rtol=1e-6)
-        np.testing.assert_allclose(jdp.get_tree(state, state.model_state)["mean"], running_mean, rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(jdp.step.get_tree(state, state.model_state)["mean"], running_mean, rtol=1e-5, atol=1e-7)
     assert all(a > 0.0 for _, a, _ in want)  # a zero accuracy would hide an N× sum
     assert max_abs_diff(jdp.get_params(state), ref_params) <= 2e-6
     jdp.check_replicas(state)
