@@ -1,4 +1,5 @@
-"""Regression tests for the two silent-wrong-answer traps of today's JAX (DESIGN.md)."""
+"""Regression tests for the two silent-wrong-answer traps of jax 0.10: grad of replicated params under
+shard_map(check_vma=True) is already summed; pmap with in_axes=None on an empty pytree shifts axes."""
 import jax
 import numpy as np
 import optax
