@@ -7,7 +7,9 @@ A path is backend × reduction/lr_correction × accumulation mode × optimizer, 
 masked padding, dropout keys and non-finite skipping. A refactor that keeps behaviour leaves every
 array bit-identical. The one documented change: with accum_sync="every" the loss, aux and grad_norm
 reported on an update call cover the optimizer step's M calls, as with "last" (they covered that
-call alone), and calls between updates report NaN.
+call alone), and calls between updates report NaN. And one later change: skip_nonfinite also
+checks the new params and optimizer state for NaN/Inf, which changes how XLA fuses the update, so
+the skip paths' params may differ in the last bit (≤ 1e-7); they are reported, not failed.
 """
 from __future__ import annotations
 
@@ -137,6 +139,11 @@ def paths():
                                                      skip_nonfinite=True, backend=backend, accum_sync="last")
 
 
+def rounding_only(name: str, key: str, diff: float) -> bool:
+    """skip_nonfinite's finiteness check on the new params refuses XLA's old fusion: last-bit changes."""
+    return ".skip_" in name and key.startswith("param/") and diff <= 1e-7
+
+
 def documented_change(name: str, key: str) -> bool:
     """accum_sync="every" now reports the step's loss/aux/grad_norm on update calls, NaN between."""
     return "_every" in name and key in ("metric/loss", "metric/aux_accuracy", "metric/grad_norm")
@@ -162,7 +169,8 @@ def main(argv=None) -> int:
             changed.append(f"{key}: only {'after' if key in results else 'before'}")
         elif not np.array_equal(before[key], results[key], equal_nan=True):
             diff = np.nanmax(np.abs(before[key].astype(np.float64) - results[key].astype(np.float64)))
-            (documented if documented_change(name, leaf) else changed).append(f"{key}: max |Δ| {diff:.3g}")
+            documented_here = documented_change(name, leaf) or rounding_only(name, leaf, diff)
+            (documented if documented_here else changed).append(f"{key}: max |Δ| {diff:.3g}")
     print(f"{len(results)} arrays compared; {len(documented)} documented changes, {len(changed)} other changes")
     for line in documented:
         print("  documented:", line)

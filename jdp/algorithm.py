@@ -24,6 +24,15 @@ from jdp.reduce import reduce_step_values
 from jdp.state import LocalAccum, TrainState, device_key
 
 
+class Update(NamedTuple):
+    """What one call leaves behind besides the counters: equal on every device."""
+
+    params: object
+    opt_state: object
+    model_state: object
+    skipped: jax.Array  # bool: the update was skipped (skip_nonfinite)
+
+
 class Step(NamedTuple):
     """What `device_step` needs besides the state and batch; fixed when the step is built."""
 
@@ -59,10 +68,10 @@ def device_step(state: TrainState, batch, step: Step) -> tuple[TrainState, dict]
         new, metrics = reduce_and_update(state, this_call, model_state, rows, masked, step)
         accum, metrics = mean_over_calls(state, metrics, updates_now, step)
 
-    skip = new["skip"]
+    skip = new.skipped
     streak = jnp.where(skip, state.skip_streak + 1, jnp.where(updates_now, 0, state.skip_streak))
     state = state.replace(step=state.step + updates_now.astype(jnp.int32), micro_step=state.micro_step + 1,
-                          params=new["params"], opt_state=new["opt_state"], model_state=new["model_state"],
+                          params=new.params, opt_state=new.opt_state, model_state=new.model_state,
                           accum=accum, skipped=state.skipped + skip.astype(jnp.int32), skip_streak=streak)
     metrics.update(updated=updates_now & ~skip, skipped=skip, skip_streak=streak, step=state.step,
                    micro_step=state.micro_step)
@@ -87,16 +96,13 @@ def reduce_and_update(state: TrainState, local: LocalAccum, model_state, rows: i
     skip = jnp.zeros((), bool)
     if o.skip_nonfinite:
         params, opt_state, skip = unless_nonfinite(step_grads, state, params, opt_state, o)
-    new = dict(params=params, opt_state=opt_state, model_state=model_state, skip=skip)
-    return new, step_metrics(loss, step_grads, aux, o)
+    return Update(params, opt_state, model_state, skip), step_metrics(loss, step_grads, aux, o)
 
 
 def hold(state: TrainState, this_call: LocalAccum, step: Step):
     """accum_sync="last" between updates: state unchanged; no communication, so NaN metrics."""
     shapes = jax.eval_shape(lambda: step_metrics(this_call.loss, this_call.grads, this_call.aux, step.options))
-    new = dict(params=state.params, opt_state=state.opt_state, model_state=state.model_state,
-               skip=jnp.zeros((), bool))
-    return new, nan_like(shapes)
+    return Update(state.params, state.opt_state, state.model_state, jnp.zeros((), bool)), nan_like(shapes)
 
 
 def mean_over_calls(state: TrainState, metrics: dict, updates_now, step: Step):
@@ -123,9 +129,14 @@ def grads_of_step(grads, opt_state, o: StepOptions):
 
 
 def unless_nonfinite(step_grads, state: TrainState, params, opt_state, o: StepOptions):
-    """skip_nonfinite: keep the old params and optimizer state if the step's reduced gradient has a
-    NaN/Inf (the same decision on every device: the gradient is already reduced)."""
-    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(step_grads)]))
+    """skip_nonfinite: keep the old params and optimizer state if the step's reduced gradient, or
+    the params or optimizer state it produced, hold a NaN/Inf (the same decision on every device:
+    all of them are replicated values). Finite gradients can still make them non-finite, e.g. an
+    Adam ε of 0 or a second moment that overflows."""
+    # MultiSteps' running sum may hold a NaN until the update: its inner state is what counts.
+    inner = opt_state.inner_opt_state if o.multi_steps else opt_state
+    checked = [x for x in jax.tree.leaves((step_grads, params, inner)) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in checked]))
     keep = lambda new, old: jax.tree.map(lambda n, p: jnp.where(finite, n, p), new, old)  # noqa: E731
     if o.multi_steps:
         # MultiSteps resets its sum as (1 - emit)·sum, which keeps a NaN: reset it here. Between

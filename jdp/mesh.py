@@ -12,17 +12,29 @@ DATA_AXIS = "data"
 
 
 def make_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A 1-D mesh of `devices` (default: all devices) along `DATA_AXIS`.
+    """A 1-D mesh of `devices` (default: all devices; `jax.Device`s or their integer ids) along `DATA_AXIS`.
 
     Built with `Mesh(...)` rather than `jax.make_mesh`, whose axes are Explicit: jdp's values are
     either fully replicated or split along the batch, which Auto axes express directly.
     """
-    devices = list(jax.devices() if devices is None else devices)
+    devices = [_device(d) for d in (jax.devices() if devices is None else devices)]
     if not devices:
         raise ValueError("devices is empty; pass None for all devices or a non-empty list.")
     if len({d.id for d in devices}) != len(devices):
         raise ValueError(f"devices {[d.id for d in devices]} contains duplicates; each device may appear once.")
     return Mesh(np.array(devices), (DATA_AXIS,))
+
+
+def _device(d) -> jax.Device:
+    """`d` as a device: a `jax.Device` as it is, an int as the device with that id."""
+    if isinstance(d, jax.Device):
+        return d
+    if isinstance(d, (int, np.integer)) and not isinstance(d, bool):
+        found = [x for x in jax.devices() if x.id == d]
+        if not found:
+            raise ValueError(f"device id {d} does not exist; the ids are {[x.id for x in jax.devices()]}.")
+        return found[0]
+    raise ValueError(f"devices holds {d!r} ({type(d).__name__}); give jax.Device objects or their integer ids.")
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

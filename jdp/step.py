@@ -90,7 +90,7 @@ class TrainStep:
         """`state` with the accumulator's aux sums sized from aux's structure (traced on the mesh)."""
         if state.accum is None or state.accum.aux is not UNSIZED:
             return state
-        one = jax.eval_shape(self.canonical, state)
+        one = jax.eval_shape(self.layout.canonical, state.replace(accum=None))
         aux = aux_shapes(self._loss, self.mesh, one.params, one.model_state, self.layout.device_batch(placed))
         empty = jax.jit(lambda: self.layout.empty_accum(one.params, aux), out_shardings=self.layout.state_shardings.accum)
         return state.replace(accum=empty())
@@ -105,6 +105,12 @@ class TrainStep:
         if leaves and all(self._placed.get(id(x)) is x for x in leaves):
             return batch  # this step's shard_batch placed it already: use it as is
         n, size = self.local_devices, batch_rows(batch)
+        if size == 0:
+            raise ValueError("the global batch is empty (0 examples); a step needs at least one per device.")
+        mask = batch.get(self.options.mask_key) if isinstance(batch, dict) and self.options.mask_key else None
+        if isinstance(mask, np.ndarray) and not mask.any():  # a host mask costs nothing to check
+            raise ValueError(f"batch[{self.options.mask_key!r}] marks no real example (all zeros); a call needs "
+                             f"at least one, or the means over real examples divide by zero.")
         if size % n:
             where = f"this process's {n} devices" if self.multi_process else f"{n} devices"
             raise ValueError(f"global batch size {size} does not divide evenly across {where}; "
@@ -130,6 +136,9 @@ class TrainStep:
     def _check_state(self, state):
         if not isinstance(state, TrainState):
             raise ValueError(f"state must be the TrainState from step.init, got {type(state).__name__}.")
+        if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(state)):
+            raise ValueError("state was donated to an earlier call of the step and its buffers are gone; use "
+                             "the state that call returned (`state, metrics = step(state, batch)`).")
         if state.stacked != self.layout.stacked:
             raise ValueError(f"state was made for the {'pmap' if state.stacked else 'shard_map'} backend; "
                              f"this step uses {self.options.backend!r}.")
@@ -196,7 +205,7 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation |
         1/N, i.e. lr/N: exact for SGD/momentum, not for Adam (ε) or clipping. "none" keeps the raw
         sum. "exact" (needs an OptimizerSpec) changes the spec's scale-dependent hyperparameters
         instead (`jdp.exact_sum_spec`), which makes sum equal mean for every spec.
-      devices: the devices to use, default all of them.
+      devices: the devices to use (`jax.Device`s or their integer ids), default all of them.
       has_aux: `loss_fn` returns `(loss, aux)`.
       needs_rng: `loss_fn` takes a last argument, a key derived from (seed, micro-step, device).
       has_state: the model has non-parameter state (BatchNorm statistics):
@@ -211,9 +220,9 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation |
       accum_sync: "every" (optax.MultiSteps; an all-reduce on every call) or "last" (local sums;
         one all-reduce per optimizer step, on the call that applies the update).
       skip_nonfinite: an optimizer step whose reduced gradient (with accum_steps > 1: the mean of
-        its M micro-gradients) holds a NaN/Inf is skipped on every device (params and optimizer
-        state unchanged); `state.skipped` counts them, `state.skip_streak` counts consecutive
-        ones, and metrics report `skipped`.
+        its M micro-gradients), or the params or optimizer state it would produce, holds a NaN/Inf
+        is skipped on every device (params and optimizer state unchanged); `state.skipped` counts
+        them, `state.skip_streak` counts consecutive ones, and metrics report `skipped`.
       grad_norm: report the global L2 norm of the step's reduced gradient as
         `metrics["grad_norm"]` (float32). It reads the whole gradient once more; False leaves it out.
 

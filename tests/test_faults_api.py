@@ -1,0 +1,70 @@
+"""API misuse the step refuses in one sentence, and updates that go non-finite without a NaN gradient."""
+import jax
+import numpy as np
+import optax
+import pytest
+
+import jdp
+from helpers import batches, max_abs_diff, mlp_loss, mlp_params
+
+
+@pytest.fixture(scope="module")
+def sgd_step():
+    return jdp.make_train_step(mlp_loss, optax.sgd(0.1), devices=jax.devices()[:4])
+
+
+def test_reusing_a_donated_state_raises_instead_of_crashing(sgd_step):
+    state = sgd_step.init(mlp_params())
+    (batch,) = batches(1, 16)
+    sgd_step(state, batch)  # donates `state`: its buffers now belong to the returned state
+    with pytest.raises(ValueError, match="state was donated to an earlier call .* use the state that call returned"):
+        sgd_step(state, batch)
+
+
+def test_empty_batch_is_refused(sgd_step):
+    (batch,) = batches(1, 16)
+    empty = {k: v[:0] for k, v in batch.items()}
+    with pytest.raises(ValueError, match=r"the global batch is empty \(0 examples\)"):
+        sgd_step(sgd_step.init(mlp_params()), empty)
+
+
+def test_all_padding_batch_is_refused(sgd_step):
+    (batch,) = batches(1, 16)
+    with pytest.raises(ValueError, match=r"batch\['mask'\] marks no real example \(all zeros\)"):
+        sgd_step(sgd_step.init(mlp_params()), {**batch, "mask": np.zeros(16, np.float32)})
+
+
+def test_devices_as_ids_are_accepted_and_bad_ones_refused():
+    by_id = jdp.make_train_step(mlp_loss, optax.sgd(0.1), devices=[0, 1])
+    assert by_id.devices == jax.devices()[:2]
+    with pytest.raises(ValueError, match=r"device id 99 does not exist; the ids are \[0, 1, 2"):
+        jdp.make_train_step(mlp_loss, optax.sgd(0.1), devices=[0, 99])
+    with pytest.raises(ValueError, match=r"devices holds 'cpu:0' \(str\); give jax.Device objects or their integer ids"):
+        jdp.make_train_step(mlp_loss, optax.sgd(0.1), devices=["cpu:0"])
+
+
+@pytest.mark.parametrize("accum", [(1, "every"), (2, "every"), (2, "last")])
+def test_finite_gradient_that_makes_params_nan_is_skipped(accum):
+    """Adam with ε = 0 divides 0 by 0 for a parameter whose gradient is exactly 0: the gradient is
+    finite, the new params are not. skip_nonfinite must treat that update like a NaN gradient."""
+    def loss(params, batch):  # "unused" never reaches the loss: its gradient is exactly 0
+        return mlp_loss({k: v for k, v in params.items() if k != "unused"}, batch) + 0.0 * params["unused"].sum()
+
+    params = {**mlp_params(), "unused": np.ones(3, np.float32)}
+    m, sync = accum
+    data = batches(2, 16, seed=3)
+    run = {}
+    for skip in (False, True):
+        step = jdp.make_train_step(loss, optax.adam(1e-2, eps=0.0), devices=jax.devices()[:4], accum_steps=m,
+                                   accum_sync=sync, skip_nonfinite=skip)
+        state = step.init(params)
+        for batch in data:
+            for micro in step.micro_batches(batch):
+                state, metrics = step(state, micro)
+        run[skip] = (jdp.get_params(state), jax.device_get(metrics), int(jdp.step.get_tree(state, state.skipped)))
+    assert np.isnan(run[False][0]["unused"]).all()  # without the guard the run is poisoned
+    params_after, metrics, skipped = run[True]
+    assert skipped == len(data) and bool(metrics["skipped"]) and int(metrics["skip_streak"]) == len(data)
+    assert max_abs_diff(params_after, params) == 0.0  # every update was refused: nothing changed
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(params_after))
+
