@@ -92,6 +92,18 @@ MUTANTS = [
            "acc = jax.tree.map(lambda a: jnp.where(emit, jnp.zeros_like(a), a), opt_state.acc_grads)",
            "acc = opt_state.acc_grads",  # MultiSteps' (1 - emit)·NaN reset: every later step is NaN too
            ("tests/test_nonfinite.py", "-k", "every")),
+    Mutant("skip_ignores_new_params", "algorithm.py",
+           "jax.tree.leaves((step_grads, params, inner))",
+           "jax.tree.leaves((step_grads,))",
+           ("tests/test_faults_api.py", "-k", "finite_gradient")),
+    Mutant("donated_state_not_checked", "step.py",
+           "isinstance(x, jax.Array) and x.is_deleted()",
+           "False",
+           ("tests/test_faults_api.py::test_reusing_a_donated_state_raises_instead_of_crashing",)),
+    Mutant("all_padding_batch_accepted", "step.py",
+           "if isinstance(mask, np.ndarray) and not mask.any():",
+           "if False:",
+           ("tests/test_faults_api.py::test_all_padding_batch_is_refused",)),
     Mutant("non_scalar_aux_accepted", "algorithm.py",
            "if jnp.ndim(leaf):",
            "if False:",
@@ -217,6 +229,8 @@ def run_mutant(mutant: Mutant, jdp_dir: str, base: str, timeout: float) -> dict:
             return {"status": "survived", "detail": "", "seconds": seconds}
         if r.returncode == 1 and failed:
             return {"status": "caught", "detail": failed.group(1), "seconds": seconds}
+        if r.returncode < 0 and mutant.old:  # the mutant crashed the test process: what the guard prevents
+            return {"status": "caught", "detail": f"the tests crashed (signal {-r.returncode})", "seconds": seconds}
         return {"status": "error", "detail": f"pytest exit status {r.returncode}", "seconds": seconds,
                 "output": out[-3000:]}
     finally:
