@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 
@@ -50,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--no-progress", action="store_true", help="log lines instead of a progress bar")
     train.add_argument("--tensorboard", action="store_true",
                        help="also write the logged scalars to DIR/tensorboard (needs tensorboardX)")
+    train.add_argument("--fallback-to-intact", action="store_true",
+                       help="if the newest checkpoint is damaged, resume from the newest intact one and move the "
+                       "damaged ones to DIR/checkpoints.damaged (default: refuse)")
     multi = train.add_argument_group("multi-process runs (jax.distributed; --devices is then per process)")
     multi.add_argument("--coordinator", metavar="HOST:PORT", help="address of process 0, which hosts the coordinator")
     multi.add_argument("--num-processes", type=_positive_int, metavar="P")
@@ -120,15 +124,24 @@ def cmd_train(args) -> int:
     import jax
     import numpy as np
 
+    from jdp.checkpoint import NonFiniteStateError
     from jdp.train import NonFiniteError, train
 
     name = os.path.splitext(os.path.basename(args.config))[0] if args.config else "digits_mlp"
     workdir = args.workdir or os.path.join("runs", name)
     try:
         result = train(config, workdir, devices=devices, progress=not args.no_progress, stop_after=args.stop_after,
-                       tensorboard=args.tensorboard)
-    except NonFiniteError as e:
+                       tensorboard=args.tensorboard, fallback_to_intact=args.fallback_to_intact)
+    except (NonFiniteError, NonFiniteStateError) as e:
         print(f"jdp: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        # train() has saved the step it failed at (or an earlier checkpoint is intact): say so, no traceback.
+        where = f" writing {e.filename!r}" if e.filename else ""
+        print(f"jdp: error: the disk is full ({e.strerror}{where}); every checkpoint already saved is intact: free "
+              f"some space and rerun the same command to resume.", file=sys.stderr)
         return 1
     if jax.process_index():
         return 0
@@ -147,7 +160,15 @@ def cmd_plot(args) -> int:
 
     if args.out and not args.out.lower().endswith(".png"):
         raise ValueError(f"--out {args.out!r} must name a .png file.")
-    print(f"saved {plot_metrics(args.workdir, args.out)}")
+    folder = os.path.dirname(args.out or os.path.join(args.workdir, "curves.png")) or "."
+    if args.out and not os.path.isdir(folder):
+        raise ValueError(f"--out {args.out!r} is in a directory that does not exist ({folder!r}); create it or "
+                         f"choose another path.")
+    try:
+        print(f"saved {plot_metrics(args.workdir, args.out)}")
+    except OSError as e:  # a directory without write permission, a full disk, --out naming a directory
+        raise ValueError(f"cannot write the plot to {args.out or folder!r} ({e.strerror or e}); choose another "
+                         f"--out.") from None
     return 0
 
 

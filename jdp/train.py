@@ -9,11 +9,12 @@ from dataclasses import dataclass
 
 import jax
 
-from jdp.checkpoint import Checkpointer
+from jdp.checkpoint import Checkpointer, with_data_digest
 from jdp.config import Config, config_hash, run_identity, validate
 from jdp.data import make_batches
 from jdp.distributed import agree, any_process
 from jdp.evaluate import evaluate, make_eval_step
+from jdp.lock import locked_workdir
 from jdp.metrics import MetricsWriter, load_metrics, peak_flops, plot_metrics, step_flops
 from jdp.step import get_params, make_train_step
 from jdp.tasks import build_task
@@ -40,7 +41,11 @@ class NonFiniteError(RuntimeError):
 
 
 class StopSignals:
-    """Turns SIGTERM/SIGINT into a request to stop after the current step (restored on exit)."""
+    """Turns SIGTERM/SIGINT into a request to stop after the current step (restored on exit).
+
+    Every signal while inside only records the request: a second one during a checkpoint write
+    does not abort it.
+    """
 
     def __init__(self):
         self.requested = None
@@ -67,18 +72,22 @@ def itstime(step: int, every: int, total: int) -> bool:
 
 
 def train(config: Config, workdir: str, *, devices=None, log=print, progress: bool = True,
-          stop_after: int | None = None, tensorboard: bool = False) -> TrainResult:
+          stop_after: int | None = None, tensorboard: bool = False, fallback_to_intact: bool = False) -> TrainResult:
     """Train `config` in `workdir`, resuming from its newest checkpoint if there is one.
 
     Writes `workdir/metrics.jsonl` (a JSON object per log or eval step; with `tensorboard`, also
     TensorBoard scalars) from process 0, which alone talks, and orbax checkpoints under
     `workdir/checkpoints`. `stop_after` ends this run after that many optimizer steps, with a
     checkpoint (re-running continues bit-exactly); so does SIGTERM/SIGINT on any process, at a step
-    all processes agree on. Raises ValueError for an invalid config or another run's checkpoint
-    before anything is written, and NonFiniteError after `train.max_nonfinite` consecutive updates
-    with NaN/Inf gradients (each skipped on every device).
+    all processes agree on. The run holds `workdir` (`jdp.lock`) and handles SIGTERM/SIGINT until
+    every checkpoint write has finished; the last checkpoint is written and awaited before the
+    final evaluation, and a failing evaluation or metrics write checkpoints its step first (one
+    process), so neither costs trained steps. Raises ValueError for an invalid config, a workdir
+    another live run holds, or another run's checkpoint, before anything is written, and
+    NonFiniteError after `train.max_nonfinite` consecutive updates with NaN/Inf gradients (each
+    skipped on every device).
     """
-    # Setup: devices, task, step, data, checkpoints.
+    # Setup: devices, task, step, data. Nothing is written before the workdir is locked.
     devices = _checked_devices(config, devices, workdir)
     p, t = config.parallel, config.train
     task = build_task(config)
@@ -93,72 +102,110 @@ def train(config: Config, workdir: str, *, devices=None, log=print, progress: bo
     batches = make_batches(task.train, config.data.batch_size, seed=t.seed, drop_last=config.data.drop_last,
                            process_index=jax.process_index(), num_processes=jax.process_count())
     state = step.init(task.params, task.model_state, seed=t.seed)
-    run = {"identity": run_identity(config), "config": config.to_dict(), "devices": len(devices)}
-    checkpoints = Checkpointer(os.path.join(workdir, "checkpoints"), keep=t.keep_checkpoints)
+    run = {"identity": with_data_digest(run_identity(config), task.train.arrays), "config": config.to_dict(),
+           "devices": len(devices)}
     eval_step = make_eval_step(task.metric_fn, step.mesh) if task.test is not None else None
 
-    # Resume: the newest complete checkpoint, if any (refused, untouched, if from another run).
-    state, resumed_from = _resume(checkpoints, step, state, batches, run, log)
-    start = resumed_from or 0
-    end = t.steps if stop_after is None else min(t.steps, start + stop_after)
-    os.makedirs(workdir, exist_ok=True)
-    writer = MetricsWriter(workdir, total=t.steps, start=start, log=log, progress=progress, tensorboard=tensorboard,
-                           active=jax.process_index() == 0)  # all processes checkpoint; process 0 alone writes
-    writer.log(_describe(task, config, devices, start, end))
-
-    # The loop. The only host syncs are at log and eval steps.
-    throughput, final_loss, eval_metrics, preempted = _Throughput(start), None, {}, False
-    peak = (peak_flops(devices[0].device_kind) or 0.0) * len(devices)  # all devices' peak FLOP/s; 0: unknown
-    # One process alone decides nothing: the stop request is all-gathered every `check_every` steps.
-    check_every = 1 if jax.process_count() == 1 else max(1, min(t.log_every, 10))
-    t0 = time.perf_counter()
-    with contextlib.ExitStack() as cleanup, StopSignals() as signals:
-        # Close files and wait for the last checkpoint write even when a step raises.
+    # Exits in reverse order: files closed and the last checkpoint write awaited while the signals
+    # are still handled (a SIGTERM then cannot kill the write), then the workdir released.
+    with locked_workdir(workdir, log), StopSignals() as signals, contextlib.ExitStack() as cleanup:
         cleanup.callback(batches.close)
+        checkpoints = Checkpointer(os.path.join(workdir, "checkpoints"), keep=t.keep_checkpoints)
         cleanup.callback(checkpoints.close)
+        # Resume: the newest complete checkpoint, if any (refused, untouched, if from another run).
+        state, resumed_from = _resume(checkpoints, step, state, batches, run, log, fallback_to_intact)
+        start = resumed_from or 0
+        end = t.steps if stop_after is None else min(t.steps, start + stop_after)
+        writer = MetricsWriter(workdir, total=t.steps, start=start, log=log, progress=progress,
+                               tensorboard=tensorboard, active=jax.process_index() == 0)  # process 0 alone writes
+        writer.log(_describe(task, config, devices, start, end))
         cleanup.enter_context(writer)
-        for s in range(start + 1, end + 1):
-            # Train: one optimizer step, `accum_steps` calls.
-            for micro in step.micro_batches(next(batches)):
-                state, metrics = step(state, micro)
-            writer.advance()
-            if s == start + 1:  # once compiled: the step's FLOPs, per optimizer step, all devices
-                flops_per_step = step_flops(step, state, micro)
+        loop = _Loop(config, spec, step, task, eval_step, batches, checkpoints, writer, run, signals, devices)
+        t0 = time.perf_counter()
+        state, end = loop.run(state, start, end)
+    return TrainResult(end, resumed_from, loop.preempted, loop.final_loss, loop.eval_metrics,
+                       time.perf_counter() - t0, get_params(state))
 
-            # Log and evaluate.
+
+class _Loop:
+    """The training loop of one invocation: step, log, checkpoint, evaluate; the only host syncs are
+    at log and eval steps."""
+
+    def __init__(self, config, spec, step, task, eval_step, batches, checkpoints, writer, run, signals, devices):
+        self.config, self.spec, self.step, self.task, self.eval_step = config, spec, step, task, eval_step
+        self.batches, self.checkpoints, self.writer, self.run_info, self.signals = (batches, checkpoints, writer,
+                                                                                   run, signals)
+        self.peak = (peak_flops(devices[0].device_kind) or 0.0) * len(devices)  # all devices' peak; 0: unknown
+        # One process alone decides nothing: the stop request is all-gathered every `check_every` steps.
+        self.check_every = 1 if jax.process_count() == 1 else max(1, min(config.train.log_every, 10))
+        self.final_loss, self.eval_metrics, self.preempted, self.saved = None, {}, False, None
+
+    def run(self, state, start: int, end: int) -> tuple:
+        """Train steps `start + 1 .. end`; returns (state, the step it ended at)."""
+        t, throughput = self.config.train, _Throughput(start)
+        for s in range(start + 1, end + 1):
+            for micro in self.step.micro_batches(next(self.batches)):
+                state, metrics = self.step(state, micro)
+            self.writer.advance()
+            if s == start + 1:  # once compiled: the step's FLOPs, per optimizer step, all devices
+                flops_per_step = step_flops(self.step, state, micro)
             record = {"step": s}
             if itstime(s, t.log_every, end):
                 m = jax.device_get(metrics)
                 _check_finite(s, m, t.max_nonfinite)
-                record |= _train_record(m, state, lr=spec.learning_rate(s - 1), samples=config.data.batch_size,
-                                        steps_per_s=throughput(s), flops_per_step=flops_per_step, peak=peak)
-                final_loss = record["loss"]
-            if eval_step is not None and itstime(s, t.eval_every, end):
-                eval_metrics = evaluate(eval_step, *step_params(step, state), task.test,
-                                        config.data.eval_batch_size, step.mesh)
-                record |= {f"eval_{k}": v for k, v in eval_metrics.items()}
-            writer.write(record)
+                record |= _train_record(m, state, lr=self.spec.learning_rate(s - 1),
+                                        samples=self.config.data.batch_size, steps_per_s=throughput(s),
+                                        flops_per_step=flops_per_step, peak=self.peak)
+                self.final_loss = record["loss"]
 
-            # Checkpoint, and stop here if any process was asked to: all stop at the same step.
-            stop = s % check_every == 0 and any_process(signals.requested is not None)
+            # Checkpoint before evaluating: all processes stop at the same step, and the last checkpoint
+            # of a run is durable (awaited) before anything else can fail or say it exists.
+            stop = s % self.check_every == 0 and any_process(self.signals.requested is not None)
             if itstime(s, t.checkpoint_every, end) or stop:
-                checkpoints.save(s, step, state, batches.get_state(), run)
+                self.save(s, state, wait=stop or s == end)
+            with self.saved_on_failure(s, state):
+                if self.eval_step is not None and not stop and itstime(s, t.eval_every, end):
+                    self.eval_metrics = evaluate(self.eval_step, *step_params(self.step, state), self.task.test,
+                                                 self.config.data.eval_batch_size, self.step.mesh)
+                    record |= {f"eval_{k}": v for k, v in self.eval_metrics.items()}
+                self.writer.write(record)
             if stop:
-                writer.log(f"stopping at step {s} on {signals.requested or 'a peer process signal'}; checkpoint "
-                           f"saved, rerun the same command to resume.")
-                preempted, end = True, s
-                break
+                self.writer.log(f"stopping at step {s} on {self.signals.requested or 'a peer process signal'}; "
+                                f"checkpoint saved, rerun the same command to resume.")
+                self.preempted = True
+                return state, s
+        return state, end
 
-    seconds = time.perf_counter() - t0
-    return TrainResult(end, resumed_from, preempted, final_loss, eval_metrics, seconds, get_params(state))
+    def save(self, s: int, state, *, wait: bool) -> None:
+        """Checkpoint step `s`; with `wait`, return only once it is complete on disk."""
+        self.checkpoints.save(s, self.step, state, self.batches.get_state(), self.run_info)
+        self.saved = s
+        if wait:
+            self.checkpoints.wait()
+
+    @contextlib.contextmanager
+    def saved_on_failure(self, s: int, state):
+        """If the block (evaluation, metrics write) fails, checkpoint step `s` first, then re-raise.
+
+        One process only: in a multi-process run the others are not there to join the save.
+        """
+        try:
+            yield
+        except Exception:
+            if self.saved != s and jax.process_count() == 1:
+                self.save(s, state, wait=True)
+                self.writer.log(f"step {s} was trained but what followed it failed (below); checkpoint {s} is "
+                                f"saved, so the same command resumes from it.")
+            raise
 
 
-def _resume(checkpoints: Checkpointer, step, state, batches, run: dict, log) -> tuple:
+def _resume(checkpoints: Checkpointer, step, state, batches, run: dict, log, fallback_to_intact: bool) -> tuple:
     """(state, its step) from the newest complete checkpoint, with the data position restored;
     (state, None) without one. Another run's checkpoint is refused and left untouched."""
     if checkpoints.latest_step() is None:
         return state, None
-    state, data_state, resumed_from = checkpoints.restore(step, state, run)
+    state, data_state, resumed_from = checkpoints.restore(step, state, run, fallback_to_intact=fallback_to_intact,
+                                                          log=log)
     batches.set_state(data_state)
     log(f"resumed from step {resumed_from} in {checkpoints.directory}")  # every process restores, and says so
     return state, resumed_from

@@ -318,8 +318,8 @@ OTHER_CASES = [
     Case("workdir-is-a-file", ["train", *TEMPLATE_ARGS, "--workdir", "{dir}/file", "--no-progress"],
          ["jdp: error: --workdir '{dir}/file' exists and is not a directory."], _file),
     Case("workdir-inside-a-file", ["train", *TEMPLATE_ARGS, "--workdir", "{dir}/file/sub", "--no-progress"],
-         ["jdp: error: checkpoint directory '{dir}/file/sub/checkpoints' cannot be created (Not a directory: "
-          "'{dir}/file/sub'); use a --workdir you can write to."], _file),
+         ["jdp: error: --workdir '{dir}/file/sub' cannot be written (Not a directory: '{dir}/file/sub'); use a "
+          "--workdir you can write to."], _file),
     Case("checkpoints-path-is-a-file", ["train", *TEMPLATE_ARGS, "--workdir", "{dir}/w", "--no-progress"],
          ["jdp: error: checkpoint directory '{dir}/w/checkpoints' exists and is not a directory."], _checkpoints_file),
     Case("plot-of-a-missing-run", ["plot", "{dir}/missing"],
@@ -392,6 +392,6 @@ def test_workdir_without_write_permission_is_refused(tmp_path):
     finally:
         if not parent.startswith("/sys/"):
             os.chmod(parent, 0o700)  # so that pytest can remove tmp_path
-    assert_refused(r, f"jdp: error: checkpoint directory '{parent}/w/checkpoints' cannot be created ({reason}: ",
+    assert_refused(r, f"jdp: error: --workdir '{parent}/w' cannot be written ({reason}: ",
                    "; use a --workdir you can write to.")
     assert not os.path.exists(f"{parent}/w")
