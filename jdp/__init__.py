@@ -6,7 +6,7 @@ exactly the step one device would take on the whole global batch.
 The public API is what this module exports; everything else lives in its module (`jdp.reduce`,
 `jdp.layouts`, `jdp.algorithm`, `jdp.data`, `jdp.models`, `jdp.train`, ...).
 """
-from jdp import cpu
+from jdp import cpu, nnx
 from jdp.comm import CommReport, comm_report
 from jdp.mesh import DATA_AXIS, make_mesh
 from jdp.optim import OptimizerSpec, exact_sum_spec
@@ -17,8 +17,10 @@ from jdp.step import TrainStep, get_params, make_train_step
 
 __version__ = "0.1.0"
 
-# Before jax starts its CPU backend: size the thread pool for the fake devices (see jdp/cpu.py).
-cpu.configure_cpu_threads()
+# Before jax starts its CPU backend: size the thread pool for the fake devices (see jdp/cpu.py). A bad
+# JDP_CPU_THREADS does not fail the import (the CLI could not report it without a traceback): every
+# step refuses it.
+cpu.configure_at_import()
 
 __all__ = [
     "CommReport",
@@ -35,5 +37,6 @@ __all__ = [
     "get_params",
     "make_mesh",
     "make_train_step",
+    "nnx",
     "replica_mismatches",
 ]

@@ -20,7 +20,7 @@ import optax
 from jax import lax
 
 from jdp.options import StepOptions
-from jdp.reduce import reduce_step_values
+from jdp.reduce import mean_over_devices, reduce_step_values
 from jdp.state import LocalAccum, TrainState, device_key
 
 
@@ -56,11 +56,13 @@ def device_step(state: TrainState, batch, step: Step) -> tuple[TrainState, dict]
 
     if o.local_accum:
         # 2. accumulate: this device's running sums, no communication. 3-4. On the M-th call only:
-        #    reduce their mean once, update, and start the sums again.
+        #    reduce their mean once, update, and start the sums again. Model state (BatchNorm
+        #    statistics) changes on every call: it is averaged now, a few small values, as "every" does.
         sums = jax.tree.map(jnp.add, layout.local(state.accum), this_call)
         mean = jax.tree.map(lambda x: x / o.accum_steps, sums)
-        new, metrics = lax.cond(updates_now, lambda: reduce_and_update(state, mean, state.model_state, rows, masked, step),
+        new, metrics = lax.cond(updates_now, lambda: reduce_and_update(state, mean, (), rows, masked, step),
                                 lambda: hold(state, this_call, step))
+        new = new._replace(model_state=mean_over_devices(model_state) if jax.tree.leaves(model_state) else model_state)
         accum = layout.shared(jax.tree.map(lambda s: jnp.where(updates_now, jnp.zeros_like(s), s), sums))
     else:
         # 2-4. reduce every call, then update: optax.MultiSteps (M > 1) keeps the running mean of
@@ -102,7 +104,7 @@ def reduce_and_update(state: TrainState, local: LocalAccum, model_state, rows: i
 def hold(state: TrainState, this_call: LocalAccum, step: Step):
     """accum_sync="last" between updates: state unchanged; no communication, so NaN metrics."""
     shapes = jax.eval_shape(lambda: step_metrics(this_call.loss, this_call.grads, this_call.aux, step.options))
-    return Update(state.params, state.opt_state, state.model_state, jnp.zeros((), bool)), nan_like(shapes)
+    return Update(state.params, state.opt_state, (), jnp.zeros((), bool)), nan_like(shapes)
 
 
 def mean_over_calls(state: TrainState, metrics: dict, updates_now, step: Step):

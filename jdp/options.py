@@ -80,10 +80,3 @@ class StepOptions:
     def multi_steps(self) -> bool:
         """accum_sync="every" with M > 1: optax.MultiSteps averages the M reduced gradients."""
         return self.accum_steps > 1 and self.accum_sync == "every"
-
-    def check_model_state(self, has_model_state: bool) -> None:
-        """Raise if a model with non-parameter state (BatchNorm statistics) cannot run with these options."""
-        if has_model_state and self.local_accum:
-            raise OptionError("accum_sync", "a model with state (e.g. BatchNorm statistics) needs accum_sync='every' "
-                              "when accum_steps > 1: 'last' has no communication on the calls between updates "
-                              "to keep the state the same on every device.")

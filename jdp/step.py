@@ -78,7 +78,6 @@ class TrainStep:
         """
         if not jax.tree.leaves(params):
             raise ValueError("params has no array leaves; pass a pytree of arrays.")
-        self.options.check_model_state(bool(jax.tree.leaves(model_state)))
         if jax.tree.leaves(model_state) and not self.options.has_state:
             raise ValueError("model_state was given but the step was made without has_state=True, so loss_fn "
                              "would never see or update it.")

@@ -208,10 +208,6 @@ BAD_OVERRIDES = [
     (["parallel.lr_correction=exact"],
      "parallel.lr_correction: lr_correction='exact' only applies to reduction='sum'; the mean reduction already "
      "yields the global-batch gradient (use None or 'none')."),
-    (["model.name=cnn", "parallel.accum_steps=4", "parallel.accum_sync=last"],
-     "parallel.accum_sync: a model with state (e.g. BatchNorm statistics) needs accum_sync='every' when "
-     "accum_steps > 1: 'last' has no communication on the calls between updates to keep the state the same on "
-     "every device."),
     (["data.batch_size=2048"], "data.batch_size=2048 is more than the 1438 digits training examples, so with "
                                "data.drop_last=true no batch is ever full."),
     (["model.name=linear", "data.name=seed_linear", "data.seed_example=1", "data.batch_size=8"],

@@ -1,0 +1,166 @@
+"""Your own Flax NNX model through jdp: a data-parallel step from an `nnx.Module` and a loss
+written for one device, as in Flax's tutorials.
+
+    step = jdp.nnx.make_train_step(model, loss_fn, optax.adamw(5e-3), has_aux=True)
+    state = step.init(seed=0)
+    for batch in batches:                  # global batches
+        state, metrics = step(state, batch)
+    jdp.nnx.update_model(model, state)     # trained params and BatchNorm statistics into `model`
+
+Inside the step, each device merges a private copy of the model from the replicated params and
+non-parameter state (BatchNorm statistics), calls `loss_fn(model, batch)` on its b examples, and
+splits the copy again to read the statistics the call wrote. The user's `model` is never changed
+by the step: only `update_model` writes into it.
+"""
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+from jdp.mesh import DATA_AXIS
+from jdp.state import TrainState
+from jdp.step import TrainStep, get_tree
+from jdp.step import make_train_step as make_array_step
+
+
+class NnxTrainStep:
+    """A `jdp.TrainStep` for an nnx model: `init(seed)` takes the model's own params and state.
+
+    Everything else (calling it, `lower`, `shard_batch`, `micro_batches`, `mesh`, ...) is the
+    wrapped `TrainStep`'s, so `jdp.get_params`, `jdp.check_replicas` and `jdp.comm_report` work as
+    for any step.
+    """
+
+    def __init__(self, step: TrainStep, graphdef, params, rng_state, rest):
+        self.step = step
+        self.graphdef, self.params, self.rng_state, self.rest = graphdef, params, rng_state, rest
+
+    def init(self, seed: int = 0) -> TrainState:
+        """The initial state: the model's params, non-parameter state and a fresh optimizer state.
+
+        `seed` fixes the keys of `needs_rng` and of any `nnx.Rngs` stored in the model: each
+        device and micro-step derives its own from it.
+        """
+        return self.step.init(self.params, self.rest, seed=seed)
+
+    def __call__(self, state: TrainState, batch):
+        """One call on a global (micro-)batch; see `jdp.TrainStep.__call__`."""
+        return self.step(state, batch)
+
+    def __getattr__(self, name):
+        return getattr(self.step, name)
+
+
+def make_train_step(model: nnx.Module, loss_fn: Callable, optimizer, *, sync_batchnorm: bool = True,
+                    has_aux: bool = False, needs_rng: bool = False, **options) -> NnxTrainStep:
+    """A data-parallel step that trains `model` with `loss_fn`, equal to one device's step on the global batch.
+
+    Args:
+      model: any `nnx.Module` (BatchNorm, Dropout and stored `nnx.Rngs` included); read once,
+        never modified.
+      loss_fn: `loss_fn(model, batch) -> loss`, the MEAN loss over the examples it is given, written
+        for one device; `(loss, aux)` with has_aux (aux: scalars such as accuracy, averaged over
+        devices); `loss_fn(model, batch, rngs)` with needs_rng, where `rngs` is an `nnx.Rngs` from
+        (seed, micro-step, device).
+      optimizer: an optax transformation, a `jdp.OptimizerSpec`, or an `nnx.Optimizer` built for
+        `model` (its `tx` is used; its state is not: `init` starts a fresh one).
+      sync_batchnorm: every `nnx.BatchNorm` computes its batch statistics over the global batch
+        (`axis_name` set on jdp's copy of the model, not on `model`), so the step equals one
+        device's. False keeps each device's own statistics, as PyTorch DDP without SyncBatchNorm:
+        NOT equal to one device.
+      **options: those of `jdp.make_train_step` (backend, reduction, lr_correction, devices,
+        accum_steps, accum_sync, skip_nonfinite, grad_norm, mask_key).
+
+    Returns:
+      An `NnxTrainStep`: `state = step.init(seed=0)`, `state, metrics = step(state, batch)`.
+    """
+    if not isinstance(model, nnx.Module):
+        raise ValueError(f"model must be an nnx.Module, got {type(model).__name__}; for Linen, see "
+                         f"jdp.nnx.linen_train_step.")
+    _check_arity(loss_fn, 3 if needs_rng else 2, "(model, batch, rngs)" if needs_rng else "(model, batch)")
+    for name in ("has_state", "needs_rng", "has_aux"):
+        if name in options:
+            raise ValueError(f"{name} is set by jdp.nnx.make_train_step from the model; do not pass it.")
+    copy = nnx.clone(model)
+    if sync_batchnorm:
+        for _, module in copy.iter_modules():
+            if isinstance(module, nnx.BatchNorm):
+                module.axis_name = DATA_AXIS
+    graphdef, params, rng_state, rest = nnx.split(copy, nnx.Param, nnx.RngState, ...)
+    tx = _transformation(optimizer, params)
+    streams = sorted({node.tag for _, node in nnx.iter_graph(copy) if isinstance(node, nnx.RngStream)})
+    device_loss = _device_loss(graphdef, rng_state, streams, loss_fn, has_aux=has_aux, needs_rng=needs_rng)
+    step = make_array_step(device_loss, tx, has_aux=has_aux, has_state=True, needs_rng=True, **options)
+    return NnxTrainStep(step, graphdef, params, rng_state, rest)
+
+
+def _device_loss(graphdef, rng_state, streams, loss_fn, *, has_aux: bool, needs_rng: bool):
+    """jdp's `(params, rest, batch, key) -> (loss, (aux, new_rest))` around a loss over a model."""
+
+    def device_loss(params, rest, batch, key):
+        model = nnx.merge(graphdef, params, rng_state, rest, copy=True)
+        if streams:  # stored nnx.Rngs: one key per stream from this device's key
+            nnx.reseed(model, **{s: jax.random.fold_in(key, i) for i, s in enumerate(streams)})
+        out = loss_fn(model, batch, nnx.Rngs(key)) if needs_rng else loss_fn(model, batch)
+        if has_aux and not (isinstance(out, tuple) and len(out) == 2):
+            raise ValueError(f"loss_fn must return (loss, aux) with has_aux=True, got {type(out).__name__}.")
+        loss, aux = out if has_aux else (out, {})
+        new_rest = nnx.split(model, nnx.Param, nnx.RngState, ...)[3]
+        return (loss, (aux, new_rest)) if has_aux else (loss, new_rest)
+
+    return device_loss
+
+
+def _check_arity(fn: Callable, n: int, wanted: str) -> None:
+    if not callable(fn):
+        raise ValueError(f"loss_fn must be callable, got {type(fn).__name__}.")
+    try:
+        inspect.signature(fn).bind(*range(n))
+    except TypeError:
+        raise ValueError(f"loss_fn must take {wanted}; its signature is {inspect.signature(fn)}.") from None
+    except ValueError:  # no signature (a builtin): trust it
+        pass
+
+
+def _transformation(optimizer, params):
+    """`optimizer` as jdp.make_train_step takes it; an nnx.Optimizer must have been built for these params."""
+    if not isinstance(optimizer, nnx.Optimizer):
+        return optimizer
+    want = [np.shape(x) for x in jax.tree.leaves(jax.eval_shape(optimizer.tx.init, params))]
+    have = [np.shape(x) for x in jax.tree.leaves(optimizer.opt_state)]
+    if want != have:
+        raise ValueError(f"the nnx.Optimizer was built for another model: its state has {len(have)} arrays "
+                         f"shaped {have[:3]}..., this model's needs {len(want)} shaped {want[:3]}....")
+    return optimizer.tx
+
+
+def update_model(model: nnx.Module, state: TrainState, optimizer: nnx.Optimizer | None = None) -> None:
+    """Write the trained params and non-parameter state (BatchNorm statistics) of `state` into `model`.
+
+    With `optimizer` (an `nnx.Optimizer` for `model` with the same optax transformation), its
+    state and step count are set too, so a one-device `nnx.Optimizer` loop can continue.
+    """
+    if not isinstance(model, nnx.Module):
+        raise ValueError(f"model must be an nnx.Module, got {type(model).__name__}.")
+    nnx.update(model, get_tree(state, state.params), get_tree(state, state.model_state))
+    if optimizer is None:
+        return
+    opt_state = get_tree(state, state.opt_state)
+    if isinstance(opt_state, optax.MultiStepsState):  # accum_sync="every" wrapped the optimizer
+        opt_state = opt_state.inner_opt_state
+    values = jax.tree.leaves(opt_state)
+    variables = jax.tree.leaves(optimizer.opt_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    if [np.shape(v) for v in values] != [np.shape(v.get_value()) for v in variables]:
+        raise ValueError("optimizer's state does not match the step's: build the nnx.Optimizer with the same "
+                         "model and optax transformation (lr_correction='auto' and 'exact' change it).")
+    for variable, value in zip(variables, values):
+        variable.set_value(value)
+    optimizer.step.set_value(np.asarray(get_tree(state, state.step), np.uint32))
+
+
+__all__ = ["NnxTrainStep", "make_train_step", "update_model"]
