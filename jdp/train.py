@@ -58,7 +58,7 @@ class StopSignals:
         return self
 
     def _handle(self, signum, frame):
-        self.requested = signal.Signals(signum).name
+        self.requested = self.requested or signal.Signals(signum).name  # the first one is the reason
 
     def __exit__(self, *exc):
         for sig, handler in self._old.items():
