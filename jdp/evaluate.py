@@ -1,6 +1,7 @@
 """Exact evaluation over a whole dataset: sums and counts reduced across devices, never means of means."""
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -23,6 +24,10 @@ def make_eval_step(metric_fn: Callable, mesh):
     def device_eval(params, model_state, batch):
         values = metric_fn(params, model_state, batch)
         mask = batch[MASK_KEY]
+        for name, v in values.items():
+            if jnp.shape(v) != mask.shape:
+                raise ValueError(f"metric_fn's {name!r} has shape {jnp.shape(v)}; it must hold one value per "
+                                 f"example, shape {mask.shape}, so that padded examples can be left out.")
         sums = {k: jnp.sum(v.astype(jnp.float32) * mask) for k, v in values.items()}
         return lax.psum((sums, jnp.sum(mask)), DATA_AXIS)
 
@@ -44,3 +49,21 @@ def evaluate(eval_step, params, model_state, dataset, batch_size: int, mesh) -> 
     batches.close()
     totals, count = jax.device_get((totals, count))
     return {k: float(np.asarray(v) / count) for k, v in totals.items()}
+
+
+@functools.lru_cache(maxsize=16)
+def _cached_eval_step(metric_fn: Callable, mesh):
+    return make_eval_step(metric_fn, mesh)  # compiled once per (metric_fn, mesh), not per evaluation
+
+
+def evaluate_state(step, state, metric_fn: Callable, data, batch_size: int = 256) -> dict[str, float]:
+    """Exact means of `metric_fn`'s per-example values over every example of `data`, on `step`'s devices.
+
+    `metric_fn(params, model_state, batch) -> {name: values of shape (b,)}`; `data` is a dict of
+    arrays with one leading axis (or a `jdp.data.ArrayDataset`). Each device sums its share, the
+    last batch is padded and masked, and sums and counts are added over devices: the result is
+    what one device computes on the whole set, whatever the device count or batch size.
+    """
+    canonical = step.canonical(state)
+    return evaluate(_cached_eval_step(metric_fn, step.mesh), canonical.params, canonical.model_state, data,
+                    batch_size, step.mesh)

@@ -14,6 +14,7 @@ by the step: only `update_model` writes into it.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 
@@ -36,9 +37,12 @@ class NnxTrainStep:
     for any step.
     """
 
-    def __init__(self, step: TrainStep, graphdef, params, rng_state, rest):
+    def __init__(self, step: TrainStep, copy: nnx.Module):
         self.step = step
-        self.graphdef, self.params, self.rng_state, self.rest = graphdef, params, rng_state, rest
+        self.graphdef, self.params, self.rng_state, self.rest = nnx.split(copy, nnx.Param, nnx.RngState, ...)
+        evaluating = nnx.clone(copy)
+        evaluating.eval()
+        self.eval_graphdef = nnx.split(evaluating, nnx.Param, nnx.RngState, ...)[0]
 
     def init(self, seed: int = 0) -> TrainState:
         """The initial state: the model's params, non-parameter state and a fresh optimizer state.
@@ -51,6 +55,19 @@ class NnxTrainStep:
     def __call__(self, state: TrainState, batch):
         """One call on a global (micro-)batch; see `jdp.TrainStep.__call__`."""
         return self.step(state, batch)
+
+    def evaluate(self, state: TrainState, metric_fn: Callable, data, batch_size: int = 256) -> dict[str, float]:
+        """Exact means of `metric_fn(model, batch) -> {name: per-example values (b,)}` over all of `data`.
+
+        `model` is the state's model in eval mode (`model.eval()`: BatchNorm's running averages,
+        no dropout); data-parallel, the last batch padded and masked, as `jdp.TrainStep.evaluate`.
+        """
+        return self.step.evaluate(state, self._eval_adapter(metric_fn), data, batch_size)
+
+    @functools.lru_cache(maxsize=8)  # one adapter (so one compiled evaluation) per metric_fn
+    def _eval_adapter(self, metric_fn):
+        graphdef, rng_state = self.eval_graphdef, self.rng_state
+        return lambda params, rest, batch: metric_fn(nnx.merge(graphdef, params, rng_state, rest, copy=True), batch)
 
     def __getattr__(self, name):
         return getattr(self.step, name)
@@ -96,7 +113,7 @@ def make_train_step(model: nnx.Module, loss_fn: Callable, optimizer, *, sync_bat
     streams = sorted({node.tag for _, node in nnx.iter_graph(copy) if isinstance(node, nnx.RngStream)})
     device_loss = _device_loss(graphdef, rng_state, streams, loss_fn, has_aux=has_aux, needs_rng=needs_rng)
     step = make_array_step(device_loss, tx, has_aux=has_aux, has_state=True, needs_rng=True, **options)
-    return NnxTrainStep(step, graphdef, params, rng_state, rest)
+    return NnxTrainStep(step, copy)
 
 
 def _device_loss(graphdef, rng_state, streams, loss_fn, *, has_aux: bool, needs_rng: bool):

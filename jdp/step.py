@@ -177,6 +177,12 @@ class TrainStep:
         build = lambda c, a: self.layout.spread(c.replace(accum=a))  # noqa: E731
         return jax.jit(build, out_shardings=self.layout.state_shardings)(canonical, like.accum)
 
+    def evaluate(self, state: TrainState, metric_fn: Callable, data, batch_size: int = 256) -> dict[str, float]:
+        """Exact metrics over a whole dataset, data-parallel: see `jdp.evaluate.evaluate_state`."""
+        from jdp.evaluate import evaluate_state  # the data pipeline it uses is not needed to train
+
+        return evaluate_state(self, state, metric_fn, data, batch_size)
+
     def lower(self, state: TrainState, batch) -> jax.stages.Lowered:
         """The lowered step for this state and batch (e.g. `.compile().as_text()` to read the HLO)."""
         self._check_state(state)
