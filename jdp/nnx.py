@@ -105,7 +105,7 @@ def make_train_step(model: nnx.Module, loss_fn: Callable, optimizer, *, sync_bat
             raise ValueError(f"{name} is set by jdp.nnx.make_train_step from the model; do not pass it.")
     copy = nnx.clone(model)
     if sync_batchnorm:
-        for _, module in copy.iter_modules():
+        for _, module in nnx.iter_modules(copy):
             if isinstance(module, nnx.BatchNorm):
                 module.axis_name = DATA_AXIS
     graphdef, params, rng_state, rest = nnx.split(copy, nnx.Param, nnx.RngState, ...)

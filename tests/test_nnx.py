@@ -1,0 +1,97 @@
+"""jdp.nnx: bad input in one sentence, and the step working with jdp's tools and nnx.Optimizer."""
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jdp
+
+
+class Tiny(nnx.Module):
+    def __init__(self, *, rngs):
+        self.linear = nnx.Linear(6, 8, use_bias=False, rngs=rngs)  # a bias before BatchNorm has a zero gradient
+        self.bn = nnx.BatchNorm(8, rngs=rngs)
+        self.head = nnx.Linear(8, 3, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(nnx.relu(self.bn(self.linear(x))))
+
+
+def loss_fn(model, batch):
+    logits = model(batch["x"])
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+    return loss, {"accuracy": (logits.argmax(-1) == batch["y"]).mean()}
+
+
+def metric_fn(model, batch):
+    logits = model(batch["x"])
+    return {"loss": optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]),
+            "accuracy": (logits.argmax(-1) == batch["y"]).astype(np.float32)}
+
+
+def data(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return {"x": rng.normal(size=(n, 6)).astype(np.float32), "y": rng.integers(0, 3, n).astype(np.int32)}
+
+
+def test_bad_input_is_one_sentence():
+    model = Tiny(rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="model must be an nnx.Module, got dict"):
+        jdp.nnx.make_train_step({"w": np.ones(3)}, loss_fn, optax.sgd(0.1))
+    with pytest.raises(ValueError, match=r"loss_fn must take \(model, batch\); its signature is \(model\)"):
+        jdp.nnx.make_train_step(model, lambda model: 0.0, optax.sgd(0.1))
+    with pytest.raises(ValueError, match=r"loss_fn must take \(model, batch, rngs\)"):
+        jdp.nnx.make_train_step(model, loss_fn, optax.sgd(0.1), needs_rng=True)
+    other = nnx.Optimizer(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), optax.adam(1e-3), wrt=nnx.Param)
+    with pytest.raises(ValueError, match="the nnx.Optimizer was built for another model"):
+        jdp.nnx.make_train_step(model, loss_fn, other)
+    with pytest.raises(ValueError, match="has_state is set by jdp.nnx.make_train_step"):
+        jdp.nnx.make_train_step(model, loss_fn, optax.sgd(0.1), has_state=True)
+
+
+def test_step_works_with_jdps_tools_and_hands_back_to_nnx_optimizer():
+    model = Tiny(rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    step = jdp.nnx.make_train_step(model, loss_fn, optimizer, has_aux=True, devices=jax.devices()[:4])
+    state = step.init(seed=0)
+    batch = data(16)
+    for _ in range(3):
+        state, metrics = step(state, batch)
+    jdp.check_replicas(state)
+    report = jdp.comm_report(step, state, batch)  # the gradient crosses the devices once per call
+    assert report.gradient_bytes <= report.bytes_per_update < 3 * report.gradient_bytes
+    assert float(metrics["aux"]["accuracy"]) >= 0.0
+
+    # The one-device nnx loop continues from where jdp stopped, with the optimizer state handed over.
+    jdp.nnx.update_model(model, state, optimizer)
+    assert int(optimizer.step.get_value()) == 3
+    ref = Tiny(rngs=nnx.Rngs(0))
+    ref_opt = nnx.Optimizer(ref, optax.adam(1e-2), wrt=nnx.Param)
+
+    @nnx.jit
+    def one_device(model, optimizer, batch):
+        grads = nnx.grad(lambda m: loss_fn(m, batch)[0])(model)
+        optimizer.update(model, grads)
+
+    for _ in range(4):
+        one_device(ref, ref_opt, batch)
+    one_device(model, optimizer, batch)
+    for a, b in zip(jax.tree.leaves(nnx.state(model, nnx.Param)), jax.tree.leaves(nnx.state(ref, nnx.Param))):
+        np.testing.assert_allclose(a, b, atol=2e-5)
+
+
+def test_evaluation_through_the_state_equals_the_updated_model():
+    model = Tiny(rngs=nnx.Rngs(1))
+    step = jdp.nnx.make_train_step(model, loss_fn, optax.sgd(0.1), has_aux=True, devices=jax.devices()[:4])
+    state, _ = step(step.init(seed=0), data(16))
+    held_out = data(37, seed=1)  # not a multiple of the batch: the last batch is padded and masked
+    got = step.evaluate(state, metric_fn, held_out, batch_size=8)
+    jdp.nnx.update_model(model, state)
+    model.eval()
+    want = {k: float(np.mean(v)) for k, v in metric_fn(model, held_out).items()}
+    assert got.keys() == want.keys()
+    for k in got:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-5, err_msg=k)
+    with pytest.raises(ValueError, match="metric_fn's 'mean' has shape \\(\\); it must hold one value per example"):
+        step.evaluate(state, lambda m, b: {"mean": m(b["x"]).mean()}, held_out, batch_size=8)
