@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 
 import numpy as np
 
@@ -84,7 +85,16 @@ class MetricsWriter:
         self._task = self._bar.add_task("", total=total, completed=start)
         # TensorBoard first: a missing tensorboardX stops the run before metrics.jsonl is opened.
         self._board = TensorBoard(workdir) if tensorboard and active else None
-        self._file = open(os.path.join(workdir, "metrics.jsonl"), "a") if active else None
+        self._file = None
+        if active:
+            path = os.path.join(workdir, "metrics.jsonl")
+            try:
+                if (repaired := repair_metrics(path, start)) is not None:
+                    self.log(f"{path}: {repaired}")
+                self._file = open(path, "a")
+            except OSError as e:
+                self.close()
+                raise ValueError(_unwritable(path, e)) from None
 
     def log(self, message: str) -> None:
         """A line on the console (printed above the progress bar while it is shown)."""
@@ -128,6 +138,57 @@ class MetricsWriter:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _unwritable(path: str, error: OSError) -> str:
+    if os.path.isdir(path):
+        return f"{path!r} is a directory, not a metrics file; move it away or use another --workdir."
+    return f"{path!r} cannot be written ({error.strerror or error}); use a --workdir you can write to."
+
+
+def repair_metrics(path: str, step: int) -> str | None:
+    """Make `path` (a metrics.jsonl) hold each step once before a run continues from `step`.
+
+    A killed run leaves the records of the steps after its last checkpoint, which the resumed run
+    writes again, and may leave a last line cut mid-record, which the next record would be glued
+    to. Drops both (records are in step order: the records past `step` are the last ones; lines
+    that are not records are left alone), rewriting the file atomically (a temporary file, then
+    os.replace). Returns what was dropped, or None if the file is missing or needed nothing.
+    """
+    if not os.path.exists(path):
+        return None
+    with open(path, "rb") as f:
+        lines = f.read().split(b"\n")
+    torn = lines.pop() != b""  # the text after the last newline: a record cut mid-write
+    keep = len(lines)
+    while keep and _record_step(lines[keep - 1]) is not None and _record_step(lines[keep - 1]) > step:
+        keep -= 1
+    if not torn and keep == len(lines):
+        return None
+    fd, temporary = tempfile.mkstemp(prefix=".metrics.jsonl.", dir=os.path.dirname(path) or ".")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(b"".join(line + b"\n" for line in lines[:keep]))
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(temporary, os.stat(path).st_mode & 0o7777)  # mkstemp's file is private
+        os.replace(temporary, path)
+    except BaseException:
+        os.unlink(temporary)
+        raise
+    dropped = [f"{len(lines) - keep} record(s) past step {step}"] if keep < len(lines) else []
+    return ("dropped " + " and ".join(dropped + ["a last line cut mid-record"] * torn)
+            + f", which the run writes again from step {step + 1}")
+
+
+def _record_step(line: bytes) -> int | None:
+    """The step of a metrics record line; None for anything else."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    step = record.get("step") if isinstance(record, dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
 def load_metrics(workdir: str) -> list[dict]:
