@@ -62,9 +62,10 @@ def tree_digest(tree) -> str:
             leaf = jax.random.key_data(leaf)
         a = np.asarray(leaf)
         h.update(f"{jax.tree_util.keystr(path)}|{a.dtype.str}|{a.shape}\n".encode())
-        rows = max(1, _HASH_CHUNK // max(1, a[:1].nbytes)) if a.ndim else 1
-        for i in range(0, max(1, len(a) if a.ndim else 1), rows):
-            h.update(np.ascontiguousarray(a[i:i + rows] if a.ndim else a).data)
+        rows = a.reshape(1) if a.ndim == 0 else a
+        block = max(1, _HASH_CHUNK // max(1, rows[:1].nbytes))  # rows per update
+        for i in range(0, len(rows), block):
+            h.update(np.ascontiguousarray(rows[i:i + block]).data)
     return h.hexdigest()
 
 
