@@ -22,7 +22,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jdp.state import TrainState
-from jdp.step import TrainStep
+from jdp.step import TrainStep, get_tree
 
 # What orbax (and tensorstore beneath it) raise for a checkpoint it cannot read back: missing
 # items or files (KeyError, FileNotFoundError), truncated JSON (ValueError), a metadata tree of
@@ -329,3 +329,32 @@ def latest_params(workdir: str) -> tuple[int, Any]:
     finally:
         if remove_alias is not None:
             remove_alias()
+
+
+def save_state(directory: str, step, state: TrainState, *, keep: int = 3) -> int:
+    """Save `state` (any device count, pmap or shard_map) as a verified checkpoint in `directory`,
+    numbered by its optimizer step, and wait until it is on disk; returns that number.
+
+    For research loops: `jdp.restore_state(directory, step, like)` reads it back, also into a step
+    on another device count. Take it at an optimizer-step boundary (the accumulator is not saved).
+    """
+    number = int(np.asarray(get_tree(state, state.step)))
+    checkpoints = Checkpointer(directory, keep=keep)
+    try:
+        checkpoints.save(number, step, state, {}, {"identity": {}})
+    finally:
+        checkpoints.close()
+    return number
+
+
+def restore_state(directory: str, step, like: TrainState, step_number: int | None = None) -> TrainState:
+    """The newest (or `step_number`) checkpoint of `directory`, verified and placed in `step`'s layout.
+
+    `like` is any state of `step` (e.g. `step.init(...)`): it gives the structure, so the caller
+    builds no abstract tree. The checkpoint may come from another device count or backend.
+    """
+    checkpoints = Checkpointer(directory)
+    try:
+        return checkpoints.restore(step, like, {"identity": {}}, step_number)[0]
+    finally:
+        checkpoints.close()

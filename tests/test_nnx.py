@@ -95,3 +95,20 @@ def test_evaluation_through_the_state_equals_the_updated_model():
         np.testing.assert_allclose(got[k], want[k], rtol=1e-5, err_msg=k)
     with pytest.raises(ValueError, match="metric_fn's 'mean' has shape \\(\\); it must hold one value per example"):
         step.evaluate(state, lambda m, b: {"mean": m(b["x"]).mean()}, held_out, batch_size=8)
+
+
+def test_save_and_restore_state_in_one_call_each_across_device_counts(tmp_path):
+    model = Tiny(rngs=nnx.Rngs(2))
+    four = jdp.nnx.make_train_step(model, loss_fn, optax.adam(1e-2), has_aux=True, devices=jax.devices()[:4])
+    state, _ = four(four.init(seed=3), data(16))
+    assert jdp.save_state(str(tmp_path / "ckpt"), four, state) == 1
+    two = jdp.nnx.make_train_step(model, loss_fn, optax.adam(1e-2), has_aux=True, devices=jax.devices()[:2],
+                                  backend="pmap")
+    restored = jdp.restore_state(str(tmp_path / "ckpt"), two, two.init(seed=0))
+    for name in ("params", "opt_state", "model_state", "rng", "step"):
+        for a, b in zip(jax.tree.leaves(jdp.step.get_tree(state, getattr(state, name))),
+                        jax.tree.leaves(jdp.step.get_tree(restored, getattr(restored, name)))):
+            np.testing.assert_array_equal(a, b, err_msg=name)
+    batch = data(16, seed=5)  # and both continue identically
+    np.testing.assert_allclose(jdp.get_params(four(state, batch)[0])["head"]["kernel"],
+                               jdp.get_params(two(restored, batch)[0])["head"]["kernel"], rtol=1e-5, atol=1e-7)
