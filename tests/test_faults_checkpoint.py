@@ -210,8 +210,8 @@ with open(sys.argv[2], "w") as f:
 
 # (what is made unreadable or read-only, its mode, the pieces of the message)
 PERMISSION_CASES = [
-    ("checkpoints/2", 0o000, ["jdp: error: checkpoint 2 in '{w}/checkpoints' cannot be read (",
-                              "Permission denied", "); give this user read permission on it or use another --workdir."]),
+    ("checkpoints/2", 0o000, ["jdp: error: checkpoint 2 in '{w}/checkpoints' cannot be read (", "Permission denied",
+                              "); give this user read permission on it or use another --workdir."]),
     ("checkpoints", 0o000, ["jdp: error: checkpoint directory '{w}/checkpoints' cannot be read (permission denied); "
                             "give this user read permission on it or use another --workdir."]),
     ("checkpoints", 0o555, ["jdp: error: checkpoint directory '{w}/checkpoints' cannot be written (permission "
