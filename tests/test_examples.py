@@ -1,6 +1,7 @@
 """The example scripts, run as a user would: a fresh process with its own 4 fake CPU devices.
 
 examples/linen_mlp.py is run by tests/test_models.py. Warnings are errors here too (`-W error`).
+examples/flax_nnx_tutorial.py (Flax's NNX MNIST tutorial, ported) is run by tests/test_flax_tutorial.py.
 """
 import math
 import os
