@@ -106,9 +106,9 @@ def train(config: Config, workdir: str, *, devices=None, log=print, progress: bo
            "devices": len(devices)}
     eval_step = make_eval_step(task.metric_fn, step.mesh) if task.test is not None else None
 
-    # Exits in reverse order: files closed and the last checkpoint write awaited while the signals
-    # are still handled (a SIGTERM then cannot kill the write), then the workdir released.
-    with locked_workdir(workdir, log), StopSignals() as signals, contextlib.ExitStack() as cleanup:
+    # Exits in reverse order: files closed and the last checkpoint write awaited, then the workdir
+    # released, all while the signals are still handled (a SIGTERM then cannot kill the write).
+    with StopSignals() as signals, locked_workdir(workdir, log), contextlib.ExitStack() as cleanup:
         cleanup.callback(batches.close)
         checkpoints = Checkpointer(os.path.join(workdir, "checkpoints"), keep=t.keep_checkpoints)
         cleanup.callback(checkpoints.close)
