@@ -98,7 +98,7 @@ def make_train_step(model: nnx.Module, loss_fn: Callable, optimizer, *, sync_bat
     """
     if not isinstance(model, nnx.Module):
         raise ValueError(f"model must be an nnx.Module, got {type(model).__name__}; for Linen, see "
-                         f"jdp.nnx.linen_train_step.")
+                         f"jdp.linen.make_train_step.")
     _check_arity(loss_fn, 3 if needs_rng else 2, "(model, batch, rngs)" if needs_rng else "(model, batch)")
     for name in ("has_state", "needs_rng", "has_aux"):
         if name in options:
