@@ -15,7 +15,8 @@ dotted key and what it accepts.
    state once (their message, after the dotted key); and, once the device count is known, batch
    divisibility.
 
-YAML is read with `yaml.safe_load` only.
+YAML is read as `yaml.safe_load` reads it, within limits (`jdp.sections.parse_yaml`): no repeated
+key, no nesting deeper than 16, at most 10,000 values with aliases expanded, 64-bit integers.
 """
 from __future__ import annotations
 
@@ -26,14 +27,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
-import yaml
-
 from jdp.data import DIGITS_EXAMPLES, SEED_REGRESSIONS, held_out_count
 from jdp.optim import OPTIMIZERS, SCHEDULES, OptimizerSpec
 from jdp.options import ACCUM_SYNCS, BACKENDS, LR_CORRECTIONS, REDUCTIONS, OptionError, StepOptions
-from jdp.sections import (BOOL, COUNT, FRACTION, NON_NEGATIVE, NPZ, POSITIVE, POSITIVE_INT, TWO_WIDTHS, UNIT, WIDTHS,
-                          ConfigError, Rule, Section, field_docs, one_of, or_null)
-from jdp.tasks import MODELS_WITH_STATE
+from jdp.sections import (BOOL, COUNT, FRACTION, NON_NEGATIVE, NPZ, POSITIVE, POSITIVE_INT, SEED, TWO_WIDTHS, UNIT,
+                          WIDTHS, ConfigError, Rule, Section, field_docs, one_of, or_null, parse_override, quoted,
+                          read_yaml, shorten)
 
 MODELS = ("mlp", "cnn", "gpt", "linear")
 DATASETS = ("digits", "chars", "seed_linear", "arrays")
@@ -184,7 +183,7 @@ class TrainConfig(Section):
     _section: ClassVar[str] = "train"
     _rules: ClassVar[dict[str, Rule]] = dict(
         steps=POSITIVE_INT, log_every=POSITIVE_INT, eval_every=COUNT, checkpoint_every=COUNT,
-        keep_checkpoints=POSITIVE_INT, max_nonfinite=COUNT, seed=COUNT)
+        keep_checkpoints=POSITIVE_INT, max_nonfinite=COUNT, seed=SEED)
 
 
 SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig,
@@ -241,9 +240,10 @@ def _check_key(section, key) -> None:
     """Raise for a section or a `section.key` that a config does not have."""
     if section not in SECTIONS:
         dotted = section if key is None else f"{section}.{key}"
-        raise ConfigError(f"unknown key {dotted!r}; a config has: {', '.join(SECTIONS)}.")
+        raise ConfigError(f"unknown key {quoted(dotted)}; a config has: {', '.join(SECTIONS)}.")
     if key is not None and key not in _section_fields(section):
-        raise ConfigError(f"unknown key '{section}.{key}'; {section} has: {', '.join(_section_fields(section))}.")
+        raise ConfigError(f"unknown key {quoted(f'{section}.{key}')}; {section} has: "
+                          f"{', '.join(_section_fields(section))}.")
 
 
 def config_from_dict(data: Mapping | None, *, source: str = "the config") -> Config:
@@ -273,48 +273,16 @@ def config_from_dict(data: Mapping | None, *, source: str = "the config") -> Con
 def _apply_overrides(data: dict, overrides: Iterable[str]) -> dict:
     """`data` with each `"section.key=value"` set; the value is parsed as YAML (numbers, bools, lists, null)."""
     if isinstance(overrides, str):
-        raise ConfigError(f"overrides must be a list of 'section.key=value' strings, got the string {overrides!r}.")
+        raise ConfigError(f"overrides must be a list of 'section.key=value' strings, got the string "
+                          f"{quoted(overrides)}.")
     for text in overrides:
-        if not isinstance(text, str) or "=" not in text:
-            raise ConfigError(f"override {text!r} has no '='; write section.key=value, e.g. optim.lr=3e-4.")
-        dotted, _, raw = text.partition("=")
-        section, dot, key = dotted.strip().partition(".")
-        if not (section and dot and key) or "." in key:
-            raise ConfigError(f"override {text!r} must name one key as section.key, e.g. optim.lr=3e-4.")
-        _check_key(section, key)
-        if not raw.strip():
-            raise ConfigError(f"override {text!r} has no value; write {section}.{key}=null for none.")
-        try:
-            value = yaml.safe_load(raw)
-        except yaml.YAMLError:
-            raise ConfigError(f"override {text!r} has a value that is not valid YAML: {raw!r}.") from None
+        section, key, value = parse_override(text, _check_key)
         values = data.get(section)
         if values is None:
             values = data[section] = {}
         if isinstance(values, Mapping):
             data[section] = {**values, key: value}
     return data
-
-
-def _read_yaml(path: str):
-    if not os.path.exists(path):
-        raise ConfigError(f"config file {path!r} does not exist.")
-    if not os.path.isfile(path):
-        raise ConfigError(f"config file {path!r} is not a file.")
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"config file {path!r} cannot be read ({e}).") from None
-    try:
-        return yaml.safe_load(text)
-    except yaml.MarkedYAMLError as e:
-        mark = e.problem_mark or e.context_mark
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = " ".join(str(e.problem or e.context or "syntax error").split())
-        raise ConfigError(f"{path}: invalid YAML{where}: {problem}.") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: invalid YAML: {' '.join(str(e).split())}.") from None
 
 
 def load_config(path: str | os.PathLike | None, overrides: Iterable[str] | None = ()) -> Config:
@@ -326,8 +294,8 @@ def load_config(path: str | os.PathLike | None, overrides: Iterable[str] | None 
     value of the wrong type or range, or an impossible combination; `validate(config, num_devices)`
     adds the device-count checks once the devices are set up.
     """
-    data = {} if path is None else _read_yaml(os.fspath(path))
-    source = "the config" if path is None else os.fspath(path)
+    data = {} if path is None else read_yaml(os.fspath(path))
+    source = "the config" if path is None else shorten(os.fspath(path))
     if data is not None and not isinstance(data, Mapping):
         raise ConfigError(f"{source} must hold a mapping of sections ({', '.join(SECTIONS)}), "
                           f"got {type(data).__name__}.")
@@ -364,7 +332,7 @@ def validate(config: Config, num_devices: int | None) -> Config:
     if d.name != "arrays" and d.path is not None:
         raise ConfigError(f"data.path is read only with data.name='arrays', got data.name={d.name!r}.")
     if d.name == "arrays" and not os.path.isfile(d.path):
-        raise ConfigError(f"data.path={d.path!r} is not a file (relative paths start at {os.getcwd()}).")
+        raise ConfigError(f"data.path={quoted(d.path)} is not a file (relative paths start at {os.getcwd()}).")
     if d.drop_last and d.name in ("digits", "seed_linear"):
         if d.name == "digits":
             n, what = DIGITS_EXAMPLES - held_out_count(DIGITS_EXAMPLES, d.test_fraction), "digits training examples"
@@ -388,9 +356,8 @@ def _check_step_and_optimizer(config: Config) -> None:
     """The step's and the optimizer's rules, stated once in StepOptions and OptimizerSpec, under the config's keys."""
     p = config.parallel
     try:
-        options = StepOptions(backend=p.backend, reduction=p.reduction, lr_correction=p.lr_correction,
+        StepOptions(backend=p.backend, reduction=p.reduction, lr_correction=p.lr_correction,
                               accum_steps=p.accum_steps, accum_sync=p.accum_sync)
-        options.check_model_state(config.model.name in MODELS_WITH_STATE)
     except OptionError as e:
         raise ConfigError(f"parallel.{e.field}: {e}") from None
     try:

@@ -19,7 +19,10 @@ import re
 
 import jax
 
+from jdp.sections import quoted
+
 THREADS_ENV = "JDP_CPU_THREADS"  # "xla": leave XLA's pools alone; a number: use that many threads
+MAX_THREADS = 4096  # XLA starts every thread of its pool: a typo of 10^9 would exhaust the machine
 _XLA_POOL_ENV = ("PJRT_NPROC", "NPROC")  # read by XLA's DefaultThreadPoolSize, in this order
 _set_by_jdp = False
 
@@ -40,22 +43,35 @@ def requested_cpu_devices() -> int:
     return int(found[-1]) if found else 1
 
 
+def threads_choice() -> str | int | None:
+    """`JDP_CPU_THREADS` as jdp reads it: None (unset or blank), "xla", or a thread count.
+
+    Raises ValueError for any other value, naming it and what is allowed.
+    """
+    choice = os.environ.get(THREADS_ENV, "").strip()
+    if not choice or choice == "xla":
+        return choice or None
+    if not (choice.isascii() and choice.isdigit() and len(choice) <= 4 and 1 <= int(choice) <= MAX_THREADS):
+        raise ValueError(f"{THREADS_ENV}={quoted(choice)} must be 'xla' or a number of threads from 1 to "
+                         f"{MAX_THREADS}.")
+    return int(choice)
+
+
 def configure_cpu_threads(num_devices: int | None = None) -> str | None:
     """Size XLA's CPU client pool so N-device collectives cannot starve it; returns the size set.
 
     Does nothing (returns None) once the backend has started, for a single device, or when the
-    user chose: `JDP_CPU_THREADS=xla`, or `PJRT_NPROC`/`NPROC` already in the environment.
+    user chose: `JDP_CPU_THREADS=xla`, or `PJRT_NPROC`/`NPROC` already in the environment. Raises
+    ValueError for a bad `JDP_CPU_THREADS` (`threads_choice`), even once the backend has started.
     """
     global _set_by_jdp
+    choice = threads_choice()
     if backends_started():
         return None
-    choice = os.environ.get(THREADS_ENV, "").strip()
     if choice == "xla" or (any(v in os.environ for v in _XLA_POOL_ENV) and not _set_by_jdp):
         return None
-    if choice:
-        if not choice.isdigit() or int(choice) < 1:
-            raise ValueError(f"{THREADS_ENV}={choice!r} must be 'xla' or a positive integer.")
-        threads = int(choice)
+    if choice is not None:
+        threads = choice
     else:
         n = num_devices or requested_cpu_devices()
         if n < 2:
@@ -66,14 +82,31 @@ def configure_cpu_threads(num_devices: int | None = None) -> str | None:
     return str(threads)
 
 
+def configure_at_import() -> None:
+    """What `import jdp` runs: `configure_cpu_threads()`, leaving a bad `JDP_CPU_THREADS` to be refused later.
+
+    The command line is entered through `import jdp`, before it can turn an exception into its
+    one-line error (exit code 2), so raising here would print a traceback. A bad value is refused
+    instead, as a ValueError, by `configure_cpu_threads` and `use_cpu_devices` (which the command
+    line calls before setting up devices) and by every step jdp builds (`RunAhead`).
+    """
+    try:
+        threads_choice()
+    except ValueError:
+        return  # refused by the first of the calls above
+    configure_cpu_threads()
+
+
 def use_cpu_devices(n: int) -> None:
     """Make jax expose `n` CPU devices (call before any jax computation or `jax.devices()`).
 
     Only the CPU backend is affected: on a machine with accelerators, jax still defaults to them.
-    Raises ValueError if `n` < 1, or if jax already started its CPU backend with another count.
+    Raises ValueError if `n` < 1, for a bad `JDP_CPU_THREADS`, or if jax already started its CPU
+    backend with another count.
     """
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(f"devices={n!r} must be a positive integer.")
+    threads_choice()  # refuse a bad JDP_CPU_THREADS even where the backend has started
     if backends_started():
         have = jax.device_count()
         if jax.default_backend() != "cpu" or have == n:
@@ -93,6 +126,7 @@ class RunAhead:
     """
 
     def __init__(self, devices):
+        threads_choice()  # a bad JDP_CPU_THREADS, which `import jdp` leaves alone, stops every step here
         self.limit = 16 if all(d.platform == "cpu" for d in devices) else None
         self._inflight = collections.deque()
 
