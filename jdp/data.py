@@ -31,12 +31,14 @@ numbers are known by hand), `load_arrays` (a user's `.npz`/`.npy`).
 from __future__ import annotations
 
 import os
-import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import grain
 import numpy as np
+
+from jdp.npyfile import read_arrays
+from jdp.sections import quoted, shorten
 
 MASK_KEY = "mask"  # added to every batch when drop_last=False: 1.0 real example, 0.0 padding
 
@@ -53,15 +55,16 @@ class ArrayDataset:
         arrays = {str(k): np.asarray(v) for k, v in self.arrays.items()}
         for k, v in arrays.items():
             if v.ndim == 0:
-                raise ValueError(f"array {k!r} is a scalar; every array needs a leading example axis.")
+                raise ValueError(f"array {quoted(k)} is a scalar; every array needs a leading example axis.")
             if v.dtype == object:
-                raise ValueError(f"array {k!r} has dtype object; only numeric and bool arrays are allowed.")
+                raise ValueError(f"array {quoted(k)} has dtype object; only numeric and bool arrays are allowed.")
         lengths = {k: len(v) for k, v in arrays.items()}
         if len(set(lengths.values())) > 1:
-            raise ValueError(f"arrays have mismatched lengths {lengths}; every array needs the same number "
-                             f"of examples along axis 0.")
+            raise ValueError(f"arrays have mismatched lengths {shorten(str(lengths))}; every array needs the same "
+                             f"number of examples along axis 0.")
         if next(iter(lengths.values())) == 0:
-            raise ValueError(f"the dataset is empty (0 examples in {sorted(arrays)}); it needs at least one.")
+            raise ValueError(f"the dataset is empty (0 examples in {shorten(str(sorted(arrays)))}); it needs at "
+                             f"least one.")
         object.__setattr__(self, "arrays", arrays)
 
     def __len__(self) -> int:
@@ -370,35 +373,13 @@ def load_seed_regression(number: int) -> ArrayDataset:
 def load_arrays(path: str | os.PathLike, *, key: str = "x") -> ArrayDataset:
     """A user's arrays from a `.npz` (every array it holds, by name) or `.npy` file (one array, named `key`).
 
-    Loaded with `allow_pickle=False`. Raises ValueError for a missing file, another suffix, an
-    object array (numpy pickles those), a file that is not numpy's format (numpy would unpickle
-    it), or arrays of different lengths.
+    Read by `jdp.npyfile.read_arrays` (`allow_pickle=False`, every header checked against the file
+    before numpy allocates). Raises ValueError for a missing file, another suffix, an object array
+    (numpy pickles those), a header claiming more than its file holds or than the machine's memory,
+    a file that is not numpy's format, or arrays of different lengths.
     """
-    path = os.fspath(path)
-    suffix = os.path.splitext(path)[1].lower()
-    if suffix not in (".npz", ".npy"):
-        raise ValueError(f"{path!r} is neither a .npz nor a .npy file.")
-    if not os.path.isfile(path):
-        raise ValueError(f"no such file: {path!r}.")
-    if suffix == ".npz" and not zipfile.is_zipfile(path):  # numpy would try to unpickle it, and refuse
-        raise ValueError(f"{path!r} is not a valid .npz file (it is not a zip archive, which numpy.savez writes).")
-    name = key
-    try:
-        if suffix == ".npy":
-            arrays = {key: np.load(path, allow_pickle=False)}
-        else:
-            arrays = {}
-            with np.load(path, allow_pickle=False) as npz:
-                for name in npz.files:  # an object array fails here, when it is read
-                    arrays[name] = npz[name]
-    except ValueError as e:
-        if "Object arrays" in str(e):
-            raise ValueError(f"{path!r} holds an object array {name!r}, which numpy stores as a pickle and "
-                             f"allow_pickle=False refuses to load; save numeric arrays instead.") from None
-        raise ValueError(f"{path!r} is not a valid {suffix} file ({e}).") from None
-    except (OSError, EOFError, zipfile.BadZipFile) as e:
-        raise ValueError(f"{path!r} is not a valid {suffix} file ({e}).") from None
+    arrays = read_arrays(path, key=key)
     try:
         return ArrayDataset(arrays)
     except ValueError as e:
-        raise ValueError(f"{path!r}: {e}") from None
+        raise ValueError(f"{quoted(os.fspath(path))}: {e}") from None

@@ -13,6 +13,7 @@ from flax import nnx
 from jdp import data as D
 from jdp.data import MASK_KEY, ArrayDataset
 from jdp.models import CNN, GPT, MLP, functional
+from jdp.sections import quoted, shorten
 
 
 @dataclass(frozen=True)
@@ -78,13 +79,21 @@ def _regression(w0, description, train, test) -> Task:
 
 
 # The models (by config name) with non-parameter state: the cnn's BatchNorm statistics.
-MODELS_WITH_STATE = ("cnn",)
 CNN_INPUT_SHAPES = ((8, 8, 1), (64,))  # per example: an 8×8 single-channel image, or its 64 pixels
+
+
+def class_limit(n: int) -> int:
+    """Labels a classifier takes from `n` examples: 0 to class_limit(n) - 1, i.e. max(n, 1024) classes.
+
+    The output layer gets one unit per label up to the largest, so one stray label of 2^40 would ask
+    for terabytes; more classes than examples (above a small floor) can only come from such a label.
+    """
+    return max(n, 1024)
 
 
 def _checked_arrays(path, model: str, x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """A user's `x` (as float32) and `y` after checking that `model` can train on them; ValueError otherwise."""
-    where = f"data.path {path!r}:"
+    where = f"data.path {quoted(path)}:"
     for name, a in (("x", x), ("y", y)):
         if a.dtype.kind not in "biuf":
             raise ValueError(f"{where} array {name!r} has dtype {a.dtype}; it must hold numbers (bool, int or float).")
@@ -101,15 +110,37 @@ def _checked_arrays(path, model: str, x: np.ndarray, y: np.ndarray) -> tuple[np.
     if y.ndim != 1:
         raise ValueError(f"{where} array 'y' has shape {y.shape}; it must hold one "
                          f"{'target' if model == 'linear' else 'class label'} per example, shape (n,).")
-    if model != "linear" and (y.dtype.kind not in "iu" or y.min() < 0):
+    if model != "linear":
+        _check_labels(where, model, y)
+    for name, a in (("x", x), ("y", y)):
+        _check_float32(where, name, a)
+    return x.astype(np.float32), y
+
+
+def _check_labels(where: str, model: str, y: np.ndarray) -> None:
+    """Refuse class labels that are not integers in [0, class_limit(n)), before any model is sized by them."""
+    if y.dtype.kind not in "iu" or y.min() < 0:
         got = f"dtype {y.dtype}" if y.dtype.kind not in "iu" else f"the negative label {y.min()}"
         raise ValueError(f"{where} array 'y' has {got}; the {model} needs integer class labels 0, 1, 2, ...")
-    for name, a in (("x", x), ("y", y)):
-        bad = int(a.size - np.count_nonzero(np.isfinite(a))) if a.dtype.kind == "f" else 0
-        if bad:
-            raise ValueError(f"{where} array {name!r} has {bad} non-finite value{'s' * (bad > 1)} (NaN or ±inf); "
-                             f"remove or replace them: every loss and gradient they touch would be NaN.")
-    return x.astype(np.float32), y
+    limit = class_limit(len(y))
+    if y.max() >= limit:
+        raise ValueError(f"{where} array 'y' has the label {y.max()}; with {len(y)} examples the {model} takes "
+                         f"labels 0 to {limit - 1} (max(n, 1024) classes: each label up to the largest is an output).")
+
+
+def _check_float32(where: str, name: str, a: np.ndarray) -> None:
+    """Refuse NaN/±inf, and values that the cast to float32 (jdp trains in float32) would turn into ±inf."""
+    if a.dtype.kind != "f":
+        return  # ints of up to 64 bits stay finite in float32 (whose range is ±3.4e38)
+    bad = int(a.size - np.count_nonzero(np.isfinite(a)))
+    if bad:
+        raise ValueError(f"{where} array {name!r} has {bad} non-finite value{'s' * (bad > 1)} (NaN or ±inf); "
+                         f"remove or replace them: every loss and gradient they touch would be NaN.")
+    top = np.finfo(np.float32).max
+    if a.dtype.itemsize > 4 and a.size and max(a.max(), -a.min()) > top:
+        worst = a.max() if a.max() >= -a.min() else a.min()
+        raise ValueError(f"{where} array {name!r} has the value {worst:.6g}, beyond float32's range (±{top:.6g}), "
+                         f"which jdp casts it to; rescale it.")
 
 
 def build_task(config) -> Task:
@@ -133,7 +164,8 @@ def build_task(config) -> Task:
     else:  # "arrays": a user's .npz with "x" and "y"
         arrays = D.load_arrays(d.path).arrays
         if set(arrays) != {"x", "y"}:
-            raise ValueError(f"data.path {d.path!r} must hold exactly the arrays 'x' and 'y', got {sorted(arrays)}.")
+            raise ValueError(f"data.path {quoted(d.path)} must hold exactly the arrays 'x' and 'y', got "
+                             f"{shorten(str(sorted(arrays)))}.")
         x, y = _checked_arrays(d.path, m.name, arrays["x"], arrays["y"])
         n_test = D.held_out_count(len(x), d.test_fraction)
         order = np.random.default_rng(config.train.seed).permutation(len(x))

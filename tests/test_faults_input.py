@@ -1,4 +1,4 @@
-"""Input limits, checked before anything big is allocated: YAML configs, JDP_CPU_THREADS.
+"""Input limits, checked before anything big is allocated: YAML configs, user arrays, JDP_CPU_THREADS.
 
 Each fault runs as a user meets it where that is cheap: `jdp.cli.main([...])` in this process (exit
 code 2, one `jdp: error:` sentence, no traceback, nothing written: the checks of tests/test_faults.py),
@@ -9,15 +9,19 @@ import io
 import os
 import subprocess
 import sys
+import zipfile
 from contextlib import redirect_stderr, redirect_stdout
 from types import SimpleNamespace
 
+import numpy as np
 import optax
 import pytest
 
 import jdp
+import jdp.npyfile
 from jdp.cli import main
 from jdp.config import ConfigError, config_from_dict, load_config
+from jdp.data import load_arrays
 from test_faults import ROOT, assert_refused, snapshot
 
 
@@ -99,6 +103,75 @@ def test_api_values_beyond_limits_raise_one_short_sentence(data, message):
 
 def test_seed_may_use_64_bits():
     assert load_config(None, ["train.seed=9223372036854775807"]).train.seed == 2**63 - 1
+
+
+# User arrays, {dir}/d.npz (data.name=arrays), refused before the model or the workdir exists.
+X = np.random.default_rng(0).normal(size=(40, 5))
+Y = np.arange(40) % 3
+ARRAYS = ["--devices", "2", "--steps", "2", "--set", "data.name=arrays", "--set", "data.batch_size=8"]
+
+
+def arrays_refused(d, *args, **arrays):
+    np.savez(d / "d.npz", **arrays)
+    return refused(d, *ARRAYS, "--set", f"data.path={d}/d.npz", *args)
+
+
+def test_float64_beyond_float32_is_refused(tmp_path):
+    x = X.copy()
+    x[3, 1] = -1e39  # the float32 cast would make it -inf and train on it
+    assert arrays_refused(tmp_path, x=x, y=Y) == (
+        f"data.path '{tmp_path}/d.npz': array 'x' has the value -1e+39, beyond float32's range (±3.40282e+38), "
+        f"which jdp casts it to; rescale it.")
+
+
+def test_linear_targets_beyond_float32_are_refused(tmp_path):
+    assert arrays_refused(tmp_path, "--set", "model.name=linear", x=X, y=np.where(Y == 1, 1e300, 0.5)) == (
+        f"data.path '{tmp_path}/d.npz': array 'y' has the value 1e+300, beyond float32's range (±3.40282e+38), "
+        f"which jdp casts it to; rescale it.")
+
+
+@pytest.mark.parametrize("label", [2**40, 1024])  # 40 examples: labels 0 to 1023
+def test_label_beyond_the_class_limit_is_refused_before_the_model_is_sized(tmp_path, label):
+    y = Y.copy()
+    y[7] = label  # one output unit per label up to the largest: 2^40 would ask for terabytes
+    assert arrays_refused(tmp_path, x=X, y=y) == (
+        f"data.path '{tmp_path}/d.npz': array 'y' has the label {label}; with 40 examples the mlp takes labels 0 to "
+        f"1023 (max(n, 1024) classes: each label up to the largest is an output).")
+
+
+def _npy_claiming(shape, data=b"\0" * 16) -> bytes:
+    """A .npy file whose header claims `shape` of float32 but which holds only `data`."""
+    f = io.BytesIO()
+    np.lib.format.write_array_header_1_0(f, {"descr": "<f4", "fortran_order": False, "shape": shape})
+    return f.getvalue() + data
+
+
+@pytest.mark.parametrize("method", [zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED])
+def test_npz_header_claiming_a_huge_shape_is_refused_before_allocating(tmp_path, method):
+    with zipfile.ZipFile(tmp_path / "d.npz", "w", method) as zf:
+        zf.writestr("x.npy", _npy_claiming((2**40, 5)))
+        zf.writestr("y.npy", _npy_claiming((40,)))
+    message = refused(tmp_path, *ARRAYS, "--set", f"data.path={tmp_path}/d.npz")
+    assert message.startswith(f"'{tmp_path}/d.npz' array 'x' claims shape (1099511627776, 5) of float32 (20.0 TiB), "
+                              f"but the file holds at most "), message
+    assert message.endswith(" of it; the file is damaged or was not written by numpy."), message
+
+
+def test_npy_header_claiming_more_than_the_file_is_refused(tmp_path):
+    (tmp_path / "a.npy").write_bytes(_npy_claiming((5,)))  # 20 bytes claimed, 16 held
+    with pytest.raises(ValueError, match=r"^'.*a.npy' array 'x' claims shape \(5,\) of float32 \(20 bytes\), but the "
+                                         r"file holds at most 16 bytes of it; the file is damaged"):
+        load_arrays(tmp_path / "a.npy")
+    (tmp_path / "b.npy").write_bytes(_npy_claiming((4,)))  # exactly what it holds
+    assert load_arrays(tmp_path / "b.npy").arrays["x"].shape == (4,)
+
+
+def test_arrays_beyond_memory_are_refused(tmp_path, monkeypatch):
+    np.savez_compressed(tmp_path / "d.npz", x=np.zeros((40, 5), np.float32), y=Y)
+    monkeypatch.setattr(jdp.npyfile, "memory_bytes", lambda: 1000)  # 800 + 320 bytes of arrays
+    with pytest.raises(ValueError, match=r"d.npz' holds 1.1 KiB of arrays, more than this machine's 1000 bytes of "
+                                         r"memory; load a part of it\.$"):
+        load_arrays(tmp_path / "d.npz")
 
 
 # JDP_CPU_THREADS: `import jdp` cannot fail (the CLI would print a traceback); jdp refuses it at its next use.
