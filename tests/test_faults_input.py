@@ -146,7 +146,7 @@ def _npy_claiming(shape, data=b"\0" * 16) -> bytes:
     return f.getvalue() + data
 
 
-@pytest.mark.parametrize("method", [zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED])
+@pytest.mark.parametrize("method", [zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED], ids=["stored", "deflated"])
 def test_npz_header_claiming_a_huge_shape_is_refused_before_allocating(tmp_path, method):
     with zipfile.ZipFile(tmp_path / "d.npz", "w", method) as zf:
         zf.writestr("x.npy", _npy_claiming((2**40, 5)))
@@ -183,7 +183,8 @@ def test_bad_cpu_threads_exits_2_on_the_command_line(tmp_path):
     assert not (tmp_path / "w").exists()
 
 
-@pytest.mark.parametrize("value", ["abc", "0", "4097", "10" * 300, "٤"])
+@pytest.mark.parametrize("value", ["abc", "0", "4097", "10" * 300, "٤"],
+                         ids=["letters", "zero", "above-4096", "600-digits", "arabic-indic-digit"])
 def test_bad_cpu_threads_is_refused_by_every_step(monkeypatch, value):
     monkeypatch.setenv("JDP_CPU_THREADS", value)
     pattern = r"^JDP_CPU_THREADS=.{3,200} must be 'xla' or a number of threads from 1 to 4096\.$"
