@@ -22,8 +22,9 @@ __version__ = "0.1.0"
 # step refuses it.
 cpu.configure_at_import()
 
-# Imported on first use: orbax (checkpoints) and flax.training (Linen) cost ~0.3 s each at import.
-_LAZY = {"restore_state": "jdp.checkpoint", "save_state": "jdp.checkpoint", "linen": None}
+# Imported on first use: orbax (checkpoints), flax.training (Linen) and grain (data) cost ~0.3 s each.
+_LAZY = {"restore_state": "jdp.checkpoint", "save_state": "jdp.checkpoint", "data": None, "linen": None,
+         "models": None}
 
 
 def __getattr__(name: str):
@@ -46,11 +47,13 @@ __all__ = [
     "check_replicas",
     "comm_report",
     "cpu",
+    "data",
     "exact_sum_spec",
     "get_params",
     "linen",
     "make_mesh",
     "make_train_step",
+    "models",
     "nnx",
     "replica_mismatches",
     "restore_state",
