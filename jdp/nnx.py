@@ -17,6 +17,8 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -28,6 +30,41 @@ from jdp.state import TrainState
 from jdp.step import TrainStep, get_tree
 from jdp.step import make_train_step as make_array_step
 
+if TYPE_CHECKING:
+    from jdp.tasks import Task
+
+
+@dataclass(frozen=True)
+class SplitModel:
+    """jdp's copy of a model, split: what it differentiates, carries and reseeds, per mode."""
+
+    graphdef: Any  # train mode, BatchNorm axis_name set if synchronised
+    eval_graphdef: Any  # the same model after `.eval()`: running averages, no dropout
+    params: Any  # nnx.State of the nnx.Param variables
+    rng_state: Any  # stored nnx.Rngs streams: reseeded on every call, never carried
+    rest: Any  # every other variable (BatchNorm statistics): jdp's model_state
+    streams: tuple[str, ...]  # the tags of the stored rng streams
+
+    @classmethod
+    def of(cls, model: nnx.Module, sync_batchnorm: bool) -> SplitModel:
+        if not isinstance(model, nnx.Module):
+            raise ValueError(f"model must be an nnx.Module, got {type(model).__name__}; for Linen, see "
+                             f"jdp.linen.make_train_step.")
+        copy = nnx.clone(model)
+        if sync_batchnorm:
+            for _, module in nnx.iter_modules(copy):
+                if isinstance(module, nnx.BatchNorm):
+                    module.axis_name = DATA_AXIS
+        graphdef, params, rng_state, rest = nnx.split(copy, nnx.Param, nnx.RngState, ...)
+        streams = tuple(sorted({n.tag for _, n in nnx.iter_graph(copy) if isinstance(n, nnx.RngStream)}))
+        copy.eval()
+        return cls(graphdef, nnx.split(copy, nnx.Param, nnx.RngState, ...)[0], params, rng_state, rest, streams)
+
+    def metric_adapter(self, metric_fn: Callable) -> Callable:
+        """`metric_fn(model, batch)` as jdp's `(params, model_state, batch)`, the model in eval mode."""
+        return lambda params, rest, batch: metric_fn(nnx.merge(self.eval_graphdef, params, self.rng_state, rest,
+                                                               copy=True), batch)
+
 
 class NnxTrainStep:
     """A `jdp.TrainStep` for an nnx model: `init(seed)` takes the model's own params and state.
@@ -37,12 +74,8 @@ class NnxTrainStep:
     for any step.
     """
 
-    def __init__(self, step: TrainStep, copy: nnx.Module):
-        self.step = step
-        self.graphdef, self.params, self.rng_state, self.rest = nnx.split(copy, nnx.Param, nnx.RngState, ...)
-        evaluating = nnx.clone(copy)
-        evaluating.eval()
-        self.eval_graphdef = nnx.split(evaluating, nnx.Param, nnx.RngState, ...)[0]
+    def __init__(self, step: TrainStep, model: SplitModel):
+        self.step, self.model = step, model
 
     def init(self, seed: int = 0) -> TrainState:
         """The initial state: the model's params, non-parameter state and a fresh optimizer state.
@@ -50,7 +83,7 @@ class NnxTrainStep:
         `seed` fixes the keys of `needs_rng` and of any `nnx.Rngs` stored in the model: each
         device and micro-step derives its own from it.
         """
-        return self.step.init(self.params, self.rest, seed=seed)
+        return self.step.init(self.model.params, self.model.rest, seed=seed)
 
     def __call__(self, state: TrainState, batch):
         """One call on a global (micro-)batch; see `jdp.TrainStep.__call__`."""
@@ -66,8 +99,7 @@ class NnxTrainStep:
 
     @functools.lru_cache(maxsize=8)  # one adapter (so one compiled evaluation) per metric_fn
     def _eval_adapter(self, metric_fn):
-        graphdef, rng_state = self.eval_graphdef, self.rng_state
-        return lambda params, rest, batch: metric_fn(nnx.merge(graphdef, params, rng_state, rest, copy=True), batch)
+        return self.model.metric_adapter(metric_fn)
 
     def __getattr__(self, name):
         return getattr(self.step, name)
@@ -96,33 +128,47 @@ def make_train_step(model: nnx.Module, loss_fn: Callable, optimizer, *, sync_bat
     Returns:
       An `NnxTrainStep`: `state = step.init(seed=0)`, `state, metrics = step(state, batch)`.
     """
-    if not isinstance(model, nnx.Module):
-        raise ValueError(f"model must be an nnx.Module, got {type(model).__name__}; for Linen, see "
-                         f"jdp.linen.make_train_step.")
+    split = SplitModel.of(model, sync_batchnorm)
     _check_arity(loss_fn, 3 if needs_rng else 2, "(model, batch, rngs)" if needs_rng else "(model, batch)")
     for name in ("has_state", "needs_rng", "has_aux"):
         if name in options:
             raise ValueError(f"{name} is set by jdp.nnx.make_train_step from the model; do not pass it.")
-    copy = nnx.clone(model)
-    if sync_batchnorm:
-        for _, module in nnx.iter_modules(copy):
-            if isinstance(module, nnx.BatchNorm):
-                module.axis_name = DATA_AXIS
-    graphdef, params, rng_state, rest = nnx.split(copy, nnx.Param, nnx.RngState, ...)
-    tx = _transformation(optimizer, params)
-    streams = sorted({node.tag for _, node in nnx.iter_graph(copy) if isinstance(node, nnx.RngStream)})
-    device_loss = _device_loss(graphdef, rng_state, streams, loss_fn, has_aux=has_aux, needs_rng=needs_rng)
+    tx = _transformation(optimizer, split.params)
+    device_loss = _device_loss(split, loss_fn, has_aux=has_aux, needs_rng=needs_rng)
     step = make_array_step(device_loss, tx, has_aux=has_aux, has_state=True, needs_rng=True, **options)
-    return NnxTrainStep(step, copy)
+    return NnxTrainStep(step, split)
 
 
-def _device_loss(graphdef, rng_state, streams, loss_fn, *, has_aux: bool, needs_rng: bool):
+def task(model: nnx.Module, loss_fn: Callable, metric_fn: Callable, train, test=None, *, has_aux: bool = False,
+         needs_rng: bool = False, sync_batchnorm: bool = True, description: str | None = None) -> Task:
+    """Your model, loss and arrays as a `jdp.tasks.Task`, for the full trainer:
+    `jdp.train.train(config, workdir, task=jdp.nnx.task(...))` (checkpoints, exact resume, metrics,
+    evaluation, multi-process). The config's model and data names are then not used.
+
+    `loss_fn` as for `make_train_step`; with `data.drop_last: false` batches carry a "mask" (1 real,
+    0 padding) and the loss must be `sum(mask · per-example loss) / b`. `metric_fn(model, batch) ->
+    {name: per-example values}` on the model in eval mode. `train`/`test`: dicts of arrays with one
+    leading axis (or `jdp.data.ArrayDataset`s).
+    """
+    from jdp.data import ArrayDataset  # the trainer's pipeline: not needed for a step alone
+    from jdp.tasks import Task
+
+    split = SplitModel.of(model, sync_batchnorm)
+    _check_arity(loss_fn, 3 if needs_rng else 2, "(model, batch, rngs)" if needs_rng else "(model, batch)")
+    inner = _device_loss(split, loss_fn, has_aux=has_aux, needs_rng=needs_rng)
+    trainer_loss = inner if has_aux else lambda *args: (lambda out: (out[0], ({}, out[1])))(inner(*args))
+    as_dataset = lambda d: d if d is None or isinstance(d, ArrayDataset) else ArrayDataset(dict(d))  # noqa: E731
+    return Task(split.params, split.rest, trainer_loss, split.metric_adapter(metric_fn), as_dataset(train),
+                as_dataset(test), description or f"{type(model).__name__} (your model)")
+
+
+def _device_loss(split: SplitModel, loss_fn, *, has_aux: bool, needs_rng: bool):
     """jdp's `(params, rest, batch, key) -> (loss, (aux, new_rest))` around a loss over a model."""
 
     def device_loss(params, rest, batch, key):
-        model = nnx.merge(graphdef, params, rng_state, rest, copy=True)
-        if streams:  # stored nnx.Rngs: one key per stream from this device's key
-            nnx.reseed(model, **{s: jax.random.fold_in(key, i) for i, s in enumerate(streams)})
+        model = nnx.merge(split.graphdef, params, split.rng_state, rest, copy=True)
+        if split.streams:  # stored nnx.Rngs: one key per stream from this device's key
+            nnx.reseed(model, **{s: jax.random.fold_in(key, i) for i, s in enumerate(split.streams)})
         out = loss_fn(model, batch, nnx.Rngs(key)) if needs_rng else loss_fn(model, batch)
         if has_aux and not (isinstance(out, tuple) and len(out) == 2):
             raise ValueError(f"loss_fn must return (loss, aux) with has_aux=True, got {type(out).__name__}.")
@@ -180,4 +226,4 @@ def update_model(model: nnx.Module, state: TrainState, optimizer: nnx.Optimizer 
     optimizer.step.set_value(np.asarray(get_tree(state, state.step), np.uint32))
 
 
-__all__ = ["NnxTrainStep", "make_train_step", "update_model"]
+__all__ = ["NnxTrainStep", "SplitModel", "make_train_step", "task", "update_model"]

@@ -17,7 +17,7 @@ from jdp.evaluate import evaluate, make_eval_step
 from jdp.lock import locked_workdir
 from jdp.metrics import MetricsWriter, load_metrics, peak_flops, plot_metrics, step_flops
 from jdp.step import get_params, make_train_step
-from jdp.tasks import build_task
+from jdp.tasks import Task, build_task
 
 __all__ = ["NonFiniteError", "StopSignals", "TrainResult", "itstime", "load_metrics", "plot_metrics", "step_params",
            "train"]  # load_metrics, plot_metrics: jdp.metrics's, kept importable from here
@@ -72,8 +72,12 @@ def itstime(step: int, every: int, total: int) -> bool:
 
 
 def train(config: Config, workdir: str, *, devices=None, log=print, progress: bool = True,
-          stop_after: int | None = None, tensorboard: bool = False, fallback_to_intact: bool = False) -> TrainResult:
+          stop_after: int | None = None, tensorboard: bool = False, fallback_to_intact: bool = False,
+          task: Task | None = None) -> TrainResult:
     """Train `config` in `workdir`, resuming from its newest checkpoint if there is one.
+
+    `task`: your own model, loss and arrays (`jdp.nnx.task(...)`) instead of the config's model
+    and data sections.
 
     Writes `workdir/metrics.jsonl` (a JSON object per log or eval step; with `tensorboard`, also
     TensorBoard scalars) from process 0, which alone talks, and orbax checkpoints under
@@ -85,12 +89,14 @@ def train(config: Config, workdir: str, *, devices=None, log=print, progress: bo
     process), so neither costs trained steps. Raises ValueError for an invalid config, a workdir
     another live run holds, or another run's checkpoint, before anything is written, and
     NonFiniteError after `train.max_nonfinite` consecutive updates with NaN/Inf gradients (each
-    skipped on every device).
+    skipped on every device). A damaged newest checkpoint is refused (ValueError) unless
+    `fallback_to_intact`, which resumes from the newest intact one; a state holding NaN/Inf is
+    never checkpointed (`jdp.checkpoint.NonFiniteStateError`).
     """
     # Setup: devices, task, step, data. Nothing is written before the workdir is locked.
     devices = _checked_devices(config, devices, workdir)
     p, t = config.parallel, config.train
-    task = build_task(config)
+    task = task or build_task(config)
     spec = config.optimizer_spec()  # the optax chain (schedule included) and the lr it logs
     step = make_train_step(task.loss_fn, spec, backend=p.backend, reduction=p.reduction,
                            lr_correction=p.lr_correction, devices=devices, has_aux=True, needs_rng=True,

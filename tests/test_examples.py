@@ -62,3 +62,10 @@ def test_char_gpt_short_run_learns_and_samples():
     assert sample.startswith("The value of ")
     assert len(sample) >= len("The value of ") + 200, out
 
+
+
+def test_own_model_through_the_trainer_learns_and_resumes(tmp_path):
+    out = run_example("own_model_trainer.py", str(tmp_path / "run"))
+    assert float(re.search(r"held-out accuracy ([0-9.]+) after 200 steps", out).group(1)) > 0.95, out
+    again = run_example("own_model_trainer.py", str(tmp_path / "run"))
+    assert "is complete (200 steps)" in again, again

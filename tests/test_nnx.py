@@ -112,3 +112,37 @@ def test_save_and_restore_state_in_one_call_each_across_device_counts(tmp_path):
     batch = data(16, seed=5)  # and both continue identically
     np.testing.assert_allclose(jdp.get_params(four(state, batch)[0])["head"]["kernel"],
                                jdp.get_params(two(restored, batch)[0])["head"]["kernel"], rtol=1e-5, atol=1e-7)
+
+
+class DropoutNet(nnx.Module):
+    def __init__(self, *, rngs):
+        self.linear = nnx.Linear(6, 8, use_bias=False, rngs=rngs)
+        self.bn = nnx.BatchNorm(8, rngs=rngs)
+        self.dropout = nnx.Dropout(0.5, rngs=rngs)  # stored rngs: reseeded per device and micro-step
+        self.head = nnx.Linear(8, 3, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(self.dropout(nnx.relu(self.bn(self.linear(x)))))
+
+
+def test_your_model_through_the_trainer_resumes_bit_exactly(tmp_path):
+    from jdp.config import load_config
+    from jdp.train import train
+
+    config = load_config(None, ["train.steps=4", "train.log_every=1", "data.batch_size=16", "optim.lr=0.05",
+                                "parallel.devices=4"])
+
+    def run(workdir, stop_after=None):
+        task = jdp.nnx.task(DropoutNet(rngs=nnx.Rngs(0)), loss_fn, metric_fn, data(64), data(20, seed=1),
+                            has_aux=True)
+        return train(config, str(workdir), progress=False, log=lambda *_: None, stop_after=stop_after, task=task)
+
+    whole = run(tmp_path / "whole")
+    assert run(tmp_path / "split", stop_after=2).steps == 2
+    resumed = run(tmp_path / "split")
+    assert resumed.resumed_from == 2 and resumed.eval == whole.eval and "accuracy" in whole.eval
+    for a, b in zip(jax.tree.leaves(whole.params), jax.tree.leaves(resumed.params)):
+        np.testing.assert_array_equal(a, b)
+    losses = [[r["loss"] for r in jdp.metrics.load_metrics(str(d)) if "loss" in r] for d in (tmp_path / "whole",
+                                                                                             tmp_path / "split")]
+    assert losses[0] == losses[1] and len(losses[0]) == 4
