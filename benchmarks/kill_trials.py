@@ -38,11 +38,12 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PJRT_NPROC", "NPROC")}
-LOCK = ".jdp-lock"  # jdp.lock.LOCK_NAME (not imported: this process never starts jax before the end)
+LOCK = ".jdp-lock"  # jdp.lock.LOCK_NAME, not imported: importing jdp loads jax, needed only at the end
 KINDS = ("random", "during-write", "term", "term-during-save", "concurrent")
 
 
 def command(workdir: str, steps: int, *, checkpoint_every: int = 1, stop_after: int | None = None) -> list[str]:
+    """The `jdp train` command of every invocation (the run's identity never changes between them)."""
     return [sys.executable, "-m", "jdp.cli", "train", "--workdir", workdir, "--devices", "2", "--steps", str(steps),
             "--log-every", "1", "--no-progress", "--set", f"train.checkpoint_every={checkpoint_every}",
             "--set", "data.batch_size=64", "--set", "train.keep_checkpoints=2",
@@ -261,7 +262,10 @@ def run_trials(counts: dict, steps: int = 600, seed: int = 0) -> dict:
 def _summary(trials: list[dict], steps: int, final_out: str, ref_dir: str, work: str) -> dict:
     resumed = re.search(r"resumed from step (\d+)", final_out)
     ref, got = last_losses(ref_dir), last_losses(work)
-    count = lambda kind, key=None: sum(t["kind"] == kind and (key is None or bool(t.get(key))) for t in trials)  # noqa: E731
+
+    def count(kind: str, key: str) -> int:
+        return sum(t["kind"] == kind and bool(t.get(key)) for t in trials)
+
     return {
         "steps": steps, "trials": len(trials), "events": [f"{t['kind']}: {t['outcome']}" for t in trials],
         "kills": sum(t["outcome"].startswith("killed") for t in trials),

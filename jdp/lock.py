@@ -48,6 +48,7 @@ class WorkdirLock:
 
     @property
     def held(self) -> bool:
+        """Whether this object holds the lock now."""
         return self._fd is not None
 
     def acquire(self) -> str | None:

@@ -198,7 +198,8 @@ def test_second_run_on_a_held_workdir_is_refused_and_changes_nothing(held_run):
     before = snapshot(held_run)
     r = run_jdp("train", *TEMPLATE_ARGS, "--steps", "4", "--workdir", str(held_run), "--no-progress")
     assert_refused(r, f"jdp: error: --workdir '{held_run}' is in use by another run (pid {os.getpid()} on "
-                      f"'{socket.gethostname()}', started ", "); wait for it to end or stop it, or use another --workdir.")
+                      f"'{socket.gethostname()}', started ",
+                   "); wait for it to end or stop it, or use another --workdir.")
     assert snapshot(held_run) == before
 
 
