@@ -8,7 +8,7 @@
 
 Each mutant is one edit: an exact snippet of a file under jdp/ that must occur exactly once there,
 and its replacement. For each, the package (the repo's jdp/, or --jdp DIR), the repo's tests/,
-benchmarks/, configs/ and pyproject.toml are copied into a fresh temporary directory, the edit is
+benchmarks/, configs/, examples/, pyproject.toml and README.md are copied into a fresh temporary directory, the edit is
 applied, and the mutant's selection of tests runs there (`python -m pytest -x`, cwd and PYTHONPATH
 the copy, so `import jdp` finds the mutant before the editable install; checked for every mutant,
 and the `sanity_import_fails` mutant proves it by failing at import with the copy's path).
@@ -20,6 +20,7 @@ occur exactly once (a stale mutant is an error, never a pass), or a selection er
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import shutil
@@ -188,9 +189,10 @@ def scratch_copy(mutant: Mutant, jdp_dir: str, base: str) -> str:
     """A fresh directory holding the mutated package, the repo's tests and what they read."""
     where = tempfile.mkdtemp(prefix=f"{mutant.name}-", dir=base)
     _copy_tree(jdp_dir, os.path.join(where, "jdp"))
-    for name in ("tests", "benchmarks", "configs"):
+    for name in ("tests", "benchmarks", "configs", "examples"):
         _copy_tree(os.path.join(ROOT, name), os.path.join(where, name))
-    shutil.copy(os.path.join(ROOT, "pyproject.toml"), where)
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(os.path.join(ROOT, name), where)
     if not mutant.old:  # the baseline
         return where
     path = os.path.join(where, "jdp", mutant.file)
@@ -209,6 +211,8 @@ def run_mutant(mutant: Mutant, jdp_dir: str, base: str, timeout: float) -> dict:
     where = scratch_copy(mutant, jdp_dir, base)
     env = {**os.environ, "PYTHONPATH": where, "PYTHONDONTWRITEBYTECODE": "1"}
     env.pop("XLA_FLAGS", None)  # tests/conftest.py sets the device count
+    # The repo's compilation cache: keyed by the HLO, so a mutant's changed steps never hit it.
+    env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(ROOT, ".pytest_cache", "jax"))
     try:
         # `import jdp` must find the copy, not the editable install of the repo's jdp/.
         origin = subprocess.run([sys.executable, "-c", "import importlib.util; print(importlib.util.find_spec('jdp').origin)"],
@@ -267,6 +271,8 @@ def main(argv=None) -> int:
     p.add_argument("--list", action="store_true", help="list the mutants and exit")
     p.add_argument("--baseline", action="store_true", help="first run every selection unmutated (it must pass)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per mutant's pytest run")
+    p.add_argument("--quick", action="store_true", help="run the quick tier (pytest -m quick) for every mutant "
+                   "instead of its own selection: which breaks the quick tier catches")
     a = p.parse_args(argv)
     jdp_dir = os.path.abspath(a.jdp)
     if a.list:
@@ -274,6 +280,8 @@ def main(argv=None) -> int:
             print(f"{m.name:32s} jdp/{m.file:14s} {' '.join(m.tests)}")
         return 0
     chosen = [m for m in MUTANTS if a.only in (None, m.name)]
+    if a.quick:
+        chosen = [dataclasses.replace(m, tests=("tests", "-m", "quick")) for m in chosen]
     if not chosen:
         print(f"no mutant named {a.only!r}; see --list", file=sys.stderr)
         return 2
@@ -297,7 +305,7 @@ def main(argv=None) -> int:
               f"mutants of {source_label(jdp_dir)}, {mutants - len(bad)} caught, in {total:.0f} s on "
               f"{os.cpu_count()} CPU cores.\n\n{table(rows)}\n")
     print(report)
-    if a.only is None:
+    if a.only is None and not a.quick:
         os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
         with open(RESULTS, "w", encoding="utf-8") as f:
             f.write(report)
