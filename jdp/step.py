@@ -103,17 +103,8 @@ class TrainStep:
         leaves = jax.tree.leaves(batch)
         if leaves and all(self._placed.get(id(x)) is x for x in leaves):
             return batch  # this step's shard_batch placed it already: use it as is
-        n, size = self.local_devices, batch_rows(batch)
-        if size == 0:
-            raise ValueError("the global batch is empty (0 examples); a step needs at least one per device.")
-        mask = batch.get(self.options.mask_key) if isinstance(batch, dict) and self.options.mask_key else None
-        if isinstance(mask, np.ndarray) and not mask.any():  # a host mask costs nothing to check
-            raise ValueError(f"batch[{self.options.mask_key!r}] marks no real example (all zeros); a call needs "
-                             f"at least one, or the means over real examples divide by zero.")
-        if size % n:
-            where = f"this process's {n} devices" if self.multi_process else f"{n} devices"
-            raise ValueError(f"global batch size {size} does not divide evenly across {where}; "
-                             f"use a multiple of {n}.")
+        n = self.local_devices
+        check_batch(batch, n, self.options.mask_key, "this process's" if self.multi_process else "")
         if self.multi_process:
             placed = jax.tree.map(lambda x: jax.make_array_from_process_local_data(batch_sharded(self.mesh),
                                                                                    np.asarray(x)), batch)
@@ -133,14 +124,7 @@ class TrainStep:
         return [jax.tree.map(lambda x: x[k * b:(k + 1) * b], global_batch) for k in range(m)]
 
     def _check_state(self, state):
-        if not isinstance(state, TrainState):
-            raise ValueError(f"state must be the TrainState from step.init, got {type(state).__name__}.")
-        if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(state)):
-            raise ValueError("state was donated to an earlier call of the step and its buffers are gone; use "
-                             "the state that call returned (`state, metrics = step(state, batch)`).")
-        if state.stacked != self.layout.stacked:
-            raise ValueError(f"state was made for the {'pmap' if state.stacked else 'shard_map'} backend; "
-                             f"this step uses {self.options.backend!r}.")
+        check_state(state, self.layout.stacked, self.options.backend)
 
     def __call__(self, state: TrainState, batch):
         """One call on a global micro-batch (N·b examples); returns (new state, metrics).
@@ -188,6 +172,32 @@ class TrainStep:
         self._check_state(state)
         batch = self.shard_batch(batch)
         return self._step.lower(self._sized(state, batch), batch)
+
+
+def check_state(state, stacked: bool, backend: str) -> None:
+    """Refuse, in one sentence, a state this step cannot take."""
+    if not isinstance(state, TrainState):
+        raise ValueError(f"state must be the TrainState from step.init, got {type(state).__name__}.")
+    if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(state)):
+        raise ValueError("state was donated to an earlier call of the step and its buffers are gone; use "
+                         "the state that call returned (`state, metrics = step(state, batch)`).")
+    if state.stacked != stacked:
+        raise ValueError(f"state was made for the {'pmap' if state.stacked else 'shard_map'} backend; "
+                         f"this step uses {backend!r}.")
+
+
+def check_batch(batch, n: int, mask_key: str | None, whose: str = "") -> None:
+    """Refuse, in one sentence, a batch that cannot make a call on `n` devices."""
+    size = batch_rows(batch)
+    if size == 0:
+        raise ValueError("the global batch is empty (0 examples); a step needs at least one per device.")
+    mask = batch.get(mask_key) if isinstance(batch, dict) and mask_key else None
+    if isinstance(mask, np.ndarray) and not mask.any():  # a host mask costs nothing to check
+        raise ValueError(f"batch[{mask_key!r}] marks no real example (all zeros); a call needs at least one, "
+                         f"or the means over real examples divide by zero.")
+    if size % n:
+        raise ValueError(f"global batch size {size} does not divide evenly across {whose + ' ' if whose else ''}"
+                         f"{n} devices; use a multiple of {n}.")
 
 
 def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation | OptimizerSpec, *,
