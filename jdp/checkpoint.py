@@ -153,23 +153,11 @@ class Checkpointer:
         """
         canonical = step.canonical(state)
         host = jax.device_get(canonical)  # orbax copies to the host too; this copy is checksummed
-        self._check_finite(step_number, host)
+        check_finite(step_number, host, self.latest_step())
         meta = {"data_state": data_state, "run": run}
         meta["checksums"] = {"state": tree_digest(host), "meta": _json_digest(meta)}
         self._manager.save(step_number, args=ocp.args.Composite(
             state=ocp.args.StandardSave(canonical), meta=ocp.args.JsonSave(meta)))
-
-    def _check_finite(self, step_number: int, host: TrainState) -> None:
-        for name in ("params", "opt_state", "model_state"):
-            for path, leaf in jax.tree_util.tree_flatten_with_path(getattr(host, name))[0]:
-                leaf = np.asarray(leaf)
-                if np.issubdtype(leaf.dtype, np.inexact) and not np.all(np.isfinite(leaf)):
-                    newest = self.latest_step()
-                    kept = ("no checkpoint was saved before it" if newest is None
-                            else f"the newest checkpoint, step {newest}, is finite and kept")
-                    raise NonFiniteStateError(
-                        f"training stopped at step {step_number}: its state holds NaN/Inf (first in "
-                        f"{name}{jax.tree_util.keystr(path)}), so it was not checkpointed; {kept}.")
 
     def wait(self) -> None:
         """Block until every started save is complete on disk."""
@@ -261,31 +249,13 @@ class Checkpointer:
                 (log or print)(f"{e.finding}; trying the one before it (--fallback-to-intact)")
                 damaged.append(candidate)
                 continue
-            self._set_aside(damaged, log or print)
+            if damaged:
+                set_aside(self.directory, damaged, log or print)
+                self._manager.reload()
             return step.place(restored, like), data_state, candidate
         raise DamagedCheckpointError(f"no intact checkpoint in {self.directory!r}: checkpoints "
                                      f"{', '.join(map(str, damaged))} are all damaged", "remove them or use another "
-                                     f"--workdir.")
-
-    def _set_aside(self, damaged: list[int], log: Callable[[str], Any]) -> None:
-        """Move the damaged checkpoints to `directory.damaged/` (process 0; the others wait for it)."""
-        if not damaged:
-            return
-        aside = self.directory + ".damaged"
-        if jax.process_index() == 0:
-            os.makedirs(aside, exist_ok=True)
-            for s in damaged:
-                target, n = os.path.join(aside, str(s)), 1
-                while os.path.lexists(target):  # an earlier fallback set aside the same step
-                    n += 1
-                    target = os.path.join(aside, f"{s}.{n}")
-                os.rename(os.path.join(self.directory, str(s)), target)
-            log(f"moved damaged checkpoint(s) {', '.join(map(str, damaged))} to {aside}")
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            multihost_utils.sync_global_devices("jdp: damaged checkpoints set aside")
-        self._manager.reload()
+                                     "--workdir.")
 
     def close(self) -> None:
         """Wait for the last save, close orbax's manager and remove the glob-safe alias, if any."""
@@ -293,6 +263,38 @@ class Checkpointer:
         self._manager.close()
         if self._remove_alias is not None:
             self._remove_alias()
+
+
+def set_aside(directory: str, damaged: list[int], log: Callable[[str], Any]) -> None:
+    """Move the damaged checkpoints of `directory` to `directory.damaged/`, never deleting them
+    (process 0; the others wait for it)."""
+    aside = directory + ".damaged"
+    if jax.process_index() == 0:
+        os.makedirs(aside, exist_ok=True)
+        for s in damaged:
+            target, n = os.path.join(aside, str(s)), 1
+            while os.path.lexists(target):  # an earlier fallback set aside the same step
+                n += 1
+                target = os.path.join(aside, f"{s}.{n}")
+            os.rename(os.path.join(directory, str(s)), target)
+        log(f"moved damaged checkpoint(s) {', '.join(map(str, damaged))} to {aside}")
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("jdp: damaged checkpoints set aside")
+
+
+def check_finite(step_number: int, host: TrainState, newest: int | None) -> None:
+    """Raise NonFiniteStateError if the params, optimizer or model state of `host` hold a NaN/Inf."""
+    for name in ("params", "opt_state", "model_state"):
+        for path, leaf in jax.tree_util.tree_flatten_with_path(getattr(host, name))[0]:
+            leaf = np.asarray(leaf)
+            if np.issubdtype(leaf.dtype, np.inexact) and not np.all(np.isfinite(leaf)):
+                kept = ("no checkpoint was saved before it" if newest is None
+                        else f"the newest checkpoint, step {newest}, is finite and kept")
+                raise NonFiniteStateError(
+                    f"training stopped at step {step_number}: its state holds NaN/Inf (first in "
+                    f"{name}{jax.tree_util.keystr(path)}), so it was not checkpointed; {kept}.")
 
 
 def _check_access(directory: str) -> None:
