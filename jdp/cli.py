@@ -148,9 +148,12 @@ def cmd_train(args) -> int:
     if jax.process_index():
         return 0
     evals = "  ".join(f"{k} {v:.4f}" for k, v in result.eval.items())
-    print(f"{'stopped' if result.steps < config.train.steps else 'done'} at step {result.steps} of "
-          f"{config.train.steps} in {result.seconds:.1f} s" + (f"; held-out {evals}" if evals else "")
-          + f"; workdir {workdir}")
+    if result.resumed_from == result.steps == config.train.steps:  # nothing left to train
+        head = f"the run is complete ({result.steps} of {config.train.steps} steps, trained earlier)"
+    else:
+        head = (f"{'stopped' if result.steps < config.train.steps else 'done'} at step {result.steps} of "
+                f"{config.train.steps} in {result.seconds:.1f} s")
+    print(head + (f"; held-out {evals}" if evals else "") + f"; workdir {workdir}")
     leaves = jax.tree_util.tree_leaves_with_path(result.params)
     if sum(np.size(v) for _, v in leaves) <= 8:  # tiny models (the seed examples): show the params
         print("params: " + ", ".join(f"{jax.tree_util.keystr(k)} = {np.round(np.asarray(v, np.float64), 6).tolist()}" for k, v in leaves))

@@ -31,7 +31,8 @@ class TrainResult:
     resumed_from: int | None  # the checkpoint step this run started from, if any
     preempted: bool  # stopped early by SIGTERM/SIGINT, with a checkpoint
     final_loss: float | None  # training loss (global-batch mean) of the last step of this run
-    eval: dict  # metrics over the whole held-out set after the last step ({} without one)
+    eval: dict  # metrics over the whole held-out set after the last step, also when the run was already
+    # complete (then of the restored state); {} without a held-out set or when stopped before any
     seconds: float  # wall time of this run's loop, compilation included
     params: object  # host numpy params
 
@@ -86,12 +87,13 @@ def train(config: Config, workdir: str, *, devices=None, log=print, progress: bo
     all processes agree on. The run holds `workdir` (`jdp.lock`) and handles SIGTERM/SIGINT until
     every checkpoint write has finished; the last checkpoint is written and awaited before the
     final evaluation, and a failing evaluation or metrics write checkpoints its step first (one
-    process), so neither costs trained steps. Raises ValueError for an invalid config, a workdir
-    another live run holds, or another run's checkpoint, before anything is written, and
-    NonFiniteError after `train.max_nonfinite` consecutive updates with NaN/Inf gradients (each
-    skipped on every device). A damaged newest checkpoint is refused (ValueError) unless
-    `fallback_to_intact`, which resumes from the newest intact one; a state holding NaN/Inf is
-    never checkpointed (`jdp.checkpoint.NonFiniteStateError`).
+    process), so neither costs trained steps. A run already complete trains nothing and evaluates
+    the restored state. Raises ValueError for an invalid config, a workdir another live run holds,
+    or another run's checkpoint, before anything is written, and NonFiniteError after
+    `train.max_nonfinite` consecutive updates with NaN/Inf gradients (each skipped on every
+    device). A damaged newest checkpoint is refused (ValueError) unless `fallback_to_intact`, which
+    resumes from the newest intact one; a state holding NaN/Inf is never checkpointed
+    (`jdp.checkpoint.NonFiniteStateError`).
     """
     # Setup: devices, task, step, data. Nothing is written before the workdir is locked.
     devices = _checked_devices(config, devices, workdir)
@@ -147,8 +149,11 @@ class _Loop:
         self.final_loss, self.eval_metrics, self.preempted, self.saved = None, {}, False, None
 
     def run(self, state, start: int, end: int) -> tuple:
-        """Train steps `start + 1 .. end`; returns (state, the step it ended at)."""
+        """Train steps `start + 1 .. end`; returns (state, the step it ended at). A run complete
+        before it starts trains nothing and repeats its held-out result, from the restored state."""
         t, throughput = self.config.train, _Throughput(start)
+        if start == end and self.eval_step is not None:
+            self.eval_metrics = self.evaluate(state)
         for s in range(start + 1, end + 1):
             for micro in self.step.micro_batches(next(self.batches)):
                 state, metrics = self.step(state, micro)
@@ -171,8 +176,7 @@ class _Loop:
                 self.save(s, state, wait=stop or s == end)
             with self.saved_on_failure(s, state):
                 if self.eval_step is not None and not stop and itstime(s, t.eval_every, end):
-                    self.eval_metrics = evaluate(self.eval_step, *step_params(self.step, state), self.task.test,
-                                                 self.config.data.eval_batch_size, self.step.mesh)
+                    self.eval_metrics = self.evaluate(state)
                     record |= {f"eval_{k}": v for k, v in self.eval_metrics.items()}
                 self.writer.write(record)
             if stop:
@@ -181,6 +185,11 @@ class _Loop:
                 self.preempted = True
                 return state, s
         return state, end
+
+    def evaluate(self, state) -> dict:
+        """Metrics of `state` over the whole held-out set."""
+        return evaluate(self.eval_step, *step_params(self.step, state), self.task.test,
+                        self.config.data.eval_batch_size, self.step.mesh)
 
     def save(self, s: int, state, *, wait: bool) -> None:
         """Checkpoint step `s`; with `wait`, return only once it is complete on disk."""
@@ -232,6 +241,8 @@ def _checked_devices(config: Config, devices, workdir: str) -> list:
 def _describe(task, config: Config, devices, start: int, end: int) -> str:
     """The run's first console line: what, how far, on what, and how the global batch splits."""
     p, n, batch = config.parallel, len(devices), config.data.batch_size
+    if start == config.train.steps:
+        return f"{task.description}: the run is complete ({start} of {config.train.steps} steps), nothing to train"
     return (f"{task.description}: {start} -> {end} of {config.train.steps} steps on {n} {devices[0].platform} "
             f"device(s), global batch {batch} = {p.accum_steps} × {n} × {batch // (p.accum_steps * n)}, "
             f"{p.backend}, reduction {p.reduction}")
