@@ -39,7 +39,8 @@ DATASETS = ("digits", "chars", "seed_linear", "arrays")
 # The datasets each model can train on (the model's input and loss must fit the arrays).
 MODEL_DATA = {"mlp": ("digits", "arrays"), "cnn": ("digits", "arrays"), "gpt": ("chars",),
               "linear": ("seed_linear", "arrays")}
-# Fields left out of `config_hash`: they may change between runs of the same training.
+# Fields left out of `config_hash`: they may change between runs of the same training (so may
+# train.steps where the schedule does not use it: `run_identity`).
 HASH_EXCLUDED = ("data.eval_batch_size", "parallel.devices", "train.log_every", "train.eval_every",
                  "train.checkpoint_every", "train.keep_checkpoints", "train.max_nonfinite")
 
@@ -220,7 +221,7 @@ class Config:
         return OptimizerSpec(o.name, lr=lr, momentum=o.momentum, b1=o.b1, b2=o.b2, eps=o.eps,
                              weight_decay=o.weight_decay, clip_norm=o.clip_norm, schedule=o.schedule,
                              warmup_steps=o.warmup_steps,
-                             decay_steps=None if o.schedule == "constant" else self.train.steps)
+                             decay_steps=self.train.steps if schedule_uses_steps(self) else None)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """`{section: {field: value}}` of JSON types (tuples become lists); `config_from_dict` inverts it."""
@@ -366,6 +367,12 @@ def _check_step_and_optimizer(config: Config) -> None:
         raise ConfigError(f"{'train.steps' if e.field == 'decay_steps' else 'optim.' + e.field}: {e}") from None
 
 
+def schedule_uses_steps(config: Config) -> bool:
+    """Whether the learning rate of any step depends on train.steps: cosine and linear decay to 0
+    there; a constant schedule (after any warmup) never looks at it."""
+    return config.optim.schedule != "constant"
+
+
 def run_identity(config: Config) -> dict[str, dict[str, Any]]:
     """The fields that define the training run, as `{section: {field: value}}` (JSON types).
 
@@ -373,12 +380,16 @@ def run_identity(config: Config) -> dict[str, dict[str, Any]]:
     (HASH_EXCLUDED): train.log_every, eval_every, checkpoint_every, keep_checkpoints and
     data.eval_batch_size (what is logged, evaluated or saved when, not what is trained), and
     parallel.devices (the device count may change between runs: the step's result does not depend
-    on it). Everything else counts, train.steps included: the learning-rate schedule depends on it.
+    on it). train.steps counts only where the schedule uses it (`schedule_uses_steps`): otherwise
+    the first S steps of a longer run are those of an S-step run, so more steps extend a run.
+    Everything else counts.
     """
     d = config.to_dict()
     for dotted in HASH_EXCLUDED:
         section, key = dotted.split(".")
         del d[section][key]
+    if not schedule_uses_steps(config):
+        del d["train"]["steps"]
     return d
 
 
@@ -390,4 +401,4 @@ def config_hash(config: Config) -> str:
 
 __all__ = ["Config", "ConfigError", "DataConfig", "HASH_EXCLUDED", "ModelConfig", "OptimConfig", "ParallelConfig",
            "SECTIONS", "TrainConfig", "apply_overrides", "config_from_dict", "config_hash", "field_docs",
-           "load_config", "run_identity", "validate"]
+           "load_config", "run_identity", "schedule_uses_steps", "validate"]

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import jax
 
-from jdp.checkpoint import Checkpointer, with_data_digest
-from jdp.config import Config, config_hash, run_identity, validate
+from jdp.checkpoint import CheckpointMismatchError, Checkpointer, with_data_digest
+from jdp.config import Config, config_hash, run_identity, schedule_uses_steps, validate
 from jdp.data import make_batches
 from jdp.distributed import agree, any_process
 from jdp.evaluate import evaluate, make_eval_step
@@ -89,11 +89,11 @@ def train(config: Config, workdir: str, *, devices=None, log=print, progress: bo
     final evaluation, and a failing evaluation or metrics write checkpoints its step first (one
     process), so neither costs trained steps. A run already complete trains nothing and evaluates
     the restored state. Raises ValueError for an invalid config, a workdir another live run holds,
-    or another run's checkpoint, before anything is written, and NonFiniteError after
-    `train.max_nonfinite` consecutive updates with NaN/Inf gradients (each skipped on every
-    device). A damaged newest checkpoint is refused (ValueError) unless `fallback_to_intact`, which
-    resumes from the newest intact one; a state holding NaN/Inf is never checkpointed
-    (`jdp.checkpoint.NonFiniteStateError`).
+    another run's checkpoint (train.steps counts only where the schedule uses it) or one past
+    train.steps, before anything is written, and NonFiniteError after `train.max_nonfinite`
+    consecutive updates with NaN/Inf gradients (each skipped on every device). A damaged newest
+    checkpoint is refused (ValueError) unless `fallback_to_intact`, which resumes from the newest
+    intact one; a state holding NaN/Inf is never checkpointed (`jdp.checkpoint.NonFiniteStateError`).
     """
     # Setup: devices, task, step, data. Nothing is written before the workdir is locked.
     devices = _checked_devices(config, devices, workdir)
@@ -121,7 +121,7 @@ def train(config: Config, workdir: str, *, devices=None, log=print, progress: bo
         checkpoints = Checkpointer(os.path.join(workdir, "checkpoints"), keep=t.keep_checkpoints)
         cleanup.callback(checkpoints.close)
         # Resume: the newest complete checkpoint, if any (refused, untouched, if from another run).
-        state, resumed_from = _resume(checkpoints, step, state, batches, run, log, fallback_to_intact)
+        state, resumed_from = _resume(checkpoints, step, state, batches, run, config, log, fallback_to_intact)
         start = resumed_from or 0
         end = t.steps if stop_after is None else min(t.steps, start + stop_after)
         writer = MetricsWriter(workdir, total=t.steps, start=start, log=log, progress=progress,
@@ -214,16 +214,47 @@ class _Loop:
             raise
 
 
-def _resume(checkpoints: Checkpointer, step, state, batches, run: dict, log, fallback_to_intact: bool) -> tuple:
+def _resume(checkpoints: Checkpointer, step, state, batches, run: dict, config: Config, log,
+            fallback_to_intact: bool) -> tuple:
     """(state, its step) from the newest complete checkpoint, with the data position restored;
-    (state, None) without one. Another run's checkpoint is refused and left untouched."""
+    (state, None) without one. Another run's checkpoint, or one past train.steps, is refused and
+    left untouched."""
     if checkpoints.latest_step() is None:
         return state, None
-    state, data_state, resumed_from = checkpoints.restore(step, state, run, fallback_to_intact=fallback_to_intact,
-                                                          log=log)
+    state, data_state, resumed_from = checkpoints.restore(step, state, _compared_run(checkpoints, run, config),
+                                                          fallback_to_intact=fallback_to_intact, log=log)
+    if resumed_from > config.train.steps:
+        raise ValueError(f"train.steps={config.train.steps} is fewer than the {resumed_from} steps that checkpoint "
+                         f"{resumed_from} in {checkpoints.directory!r} has already trained; use --steps "
+                         f"{resumed_from} or more to continue that run, or another --workdir.")
     batches.set_state(data_state)
     log(f"resumed from step {resumed_from} in {checkpoints.directory}")  # every process restores, and says so
     return state, resumed_from
+
+
+def _compared_run(checkpoints: Checkpointer, run: dict, config: Config) -> dict:
+    """`run` as the newest checkpoint's identity is to be compared with it; a change of train.steps
+    alone, where the schedule uses it, is refused here with the reason.
+
+    Checkpoints of a jdp that always counted train.steps hold it also for a constant schedule:
+    their number is taken as this run's, so that they too may be extended.
+    """
+    try:
+        saved = checkpoints.run_info(checkpoints.latest_step())["run"]["identity"]
+    except ValueError:  # damaged or unreadable: restore() says so, or falls back to an intact one
+        return run
+    steps, saved_steps = config.train.steps, saved.get("train", {}).get("steps")
+    identity = run["identity"]
+    same_but_steps = {**identity, "train": {**identity["train"], "steps": saved_steps}}
+    if saved_steps is None or same_but_steps != saved:
+        return run  # nothing to say about train.steps; restore() names any difference
+    if saved_steps != steps and schedule_uses_steps(config):
+        raise CheckpointMismatchError(
+            f"train.steps={steps} differs from the run's {saved_steps} in {checkpoints.directory!r}, and "
+            f"optim.schedule={config.optim.schedule!r} decays the learning rate to 0 at train.steps, so every "
+            f"step's learning rate would change; use --steps {saved_steps}, or another --workdir to train "
+            f"{steps} steps.")
+    return {**run, "identity": same_but_steps}
 
 
 def _checked_devices(config: Config, devices, workdir: str) -> list:

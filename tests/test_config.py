@@ -404,7 +404,8 @@ def test_run_identity_is_the_config_minus_cadence_and_device_count():
     identity = run_identity(Config())
     assert json.loads(json.dumps(identity)) == identity
     assert "devices" not in identity["parallel"] and "log_every" not in identity["train"]
-    assert identity["train"] == {"steps": 300, "seed": 0}
+    assert identity["train"] == {"seed": 0}  # a constant schedule does not use train.steps
+    assert run_identity(load_config(None, ["optim.schedule=cosine"]))["train"] == {"steps": 300, "seed": 0}
     assert identity["model"] == Config().to_dict()["model"]
 
 
@@ -412,9 +413,9 @@ def test_config_hash_ignores_cadence_and_device_count():
     base = config_hash(Config())
     assert len(base) == 64 and base == config_hash(load_config(None))
     for override in ["train.log_every=7", "parallel.devices=2", "train.checkpoint_every=10", "train.eval_every=5",
-                     "train.keep_checkpoints=1", "data.eval_batch_size=64", "train.max_nonfinite=0"]:
+                     "train.keep_checkpoints=1", "data.eval_batch_size=64", "train.max_nonfinite=0", "train.steps=301"]:
         assert config_hash(load_config(None, [override])) == base, override
-    for override in ["optim.lr=1e-3", "model.hidden=[64]", "train.seed=1", "train.steps=301", "data.batch_size=64",
+    for override in ["optim.lr=1e-3", "model.hidden=[64]", "train.seed=1", "data.batch_size=64",
                      "parallel.reduction=sum", "parallel.accum_steps=2", "optim.linear_scaling=true"]:
         assert config_hash(load_config(None, [override])) != base, override
     assert set(HASH_EXCLUDED) == {"data.eval_batch_size", "parallel.devices", "train.log_every", "train.eval_every",
