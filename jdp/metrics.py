@@ -214,6 +214,23 @@ def load_metrics(workdir: str) -> list[dict]:
 def plot_metrics(workdir: str, path: str | None = None) -> str:
     """Save a PNG of the loss (train, eval) and accuracy curves of a run; returns its path."""
     records = load_metrics(workdir)
+    fig = curves_figure(records)
+    path = path or os.path.join(workdir, "curves.png")
+    try:
+        fig.savefig(path, dpi=110)
+    finally:
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
+    return path
+
+
+def curves_figure(records: list[dict]):
+    """The matplotlib Figure `plot_metrics` saves: loss and accuracy against the optimizer step.
+
+    Evaluation series, and any series of a single record, are drawn with markers: a line through
+    one point is drawn as nothing (a run of one logged step, or the first eval of a long run).
+    """
     try:
         import matplotlib
 
@@ -221,17 +238,15 @@ def plot_metrics(workdir: str, path: str | None = None) -> str:
         import matplotlib.pyplot as plt
     except ImportError:
         raise ValueError("jdp plot needs matplotlib: pip install 'jdp[plot]'.") from None
-    path = path or os.path.join(workdir, "curves.png")
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 3.6))
     for key, ax in (("loss", ax_loss), ("train_accuracy", ax_acc), ("eval_loss", ax_loss), ("eval_accuracy", ax_acc)):
         pts = [(r["step"], r[key]) for r in records if key in r]
         if pts:
-            ax.plot(*np.array(pts).T, marker="o" if key.startswith("eval") else None, label=key)
+            marked = key.startswith("eval") or len(pts) == 1
+            ax.plot(*np.array(pts).T, marker="o" if marked else None, label=key)
     for ax, title in ((ax_loss, "loss"), (ax_acc, "accuracy")):
         ax.set(title=title, xlabel="optimizer step")
         if ax.lines:
             ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return fig
