@@ -56,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "damaged ones to DIR/checkpoints.damaged (default: refuse)")
     multi = train.add_argument_group("multi-process runs (jax.distributed; --devices is then per process)")
     multi.add_argument("--coordinator", metavar="HOST:PORT", help="address of process 0, which hosts the coordinator")
-    multi.add_argument("--num-processes", type=_positive_int, metavar="P")
+    multi.add_argument("--num-processes", type=_positive_int, metavar="P",
+                       help="how many processes the job has (with --coordinator)")
     multi.add_argument("--process-id", type=int, metavar="I", help="this process, 0..P-1")
     multi.add_argument("--auto-distributed", action="store_true",
                        help="detect the cluster (SLURM, Open MPI, ...) with jax.distributed.initialize()")
@@ -65,8 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     plot = sub.add_parser("plot", help="save a PNG of a run's loss and accuracy curves",
                           description="Read DIR/metrics.jsonl and write DIR/curves.png (or --out).")
-    plot.add_argument("workdir", metavar="DIR")
-    plot.add_argument("--out", metavar="FILE.png")
+    plot.add_argument("workdir", metavar="DIR", help="the run directory (jdp train's --workdir)")
+    plot.add_argument("--out", metavar="FILE.png", help="where to save the PNG (default: DIR/curves.png)")
 
     explain = sub.add_parser("explain", help="show, with numbers, why jdp averages gradients instead of summing",
                              description="Run jdp's step on 8 fake CPU devices and print: the seed examples "
@@ -76,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     explain.add_argument("--json", action="store_true",
                          help="print the results as JSON on stdout instead (progress goes to stderr)")
     explain.add_argument("--plot", metavar="FILE.png", help="also save a plot of deviation vs N (needs matplotlib)")
-    explain.add_argument("--backend", choices=("shard_map", "pmap"), default="shard_map")
+    explain.add_argument("--backend", choices=("shard_map", "pmap"), default="shard_map",
+                         help="the step's backend (default shard_map)")
     explain.add_argument("--devices", type=_device_list, default=(2, 4, 8), metavar="N,N,...",
                          help="device counts of the matrix (default 2,4,8)")
     return parser
