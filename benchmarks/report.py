@@ -98,6 +98,7 @@ def markdown(report: dict) -> str:
 
 
 def plot(report: dict, path: str) -> str | None:
+    """throughput.png: samples/s against the device count per model, and the ratios against their targets."""
     try:
         import matplotlib
 
@@ -105,30 +106,50 @@ def plot(report: dict, path: str) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
-    rows = report.get("scaling", {}).get("rows", [])
-    for name in sorted({"-".join(map(str, r["sizes"])) for r in rows}, key=lambda n: [int(x) for x in n.split("-")]):
-        pts = sorted((r["devices"], r["samples_per_s"]) for r in rows if "-".join(map(str, r["sizes"])) == name)
-        ax1.plot(*zip(*pts), marker="o", label=f"MLP {name}")
-    ax1.set(title="jdp throughput vs fake CPU devices (global batch 256)", xlabel="devices", ylabel="samples/s",
-            xscale="log", yscale="log")
-    if rows:
-        ax1.set_xticks(sorted({r["devices"] for r in rows}), [str(d) for d in sorted({r["devices"] for r in rows})])
-        ax1.legend()
     ratios = report.get("ratios", [])
-    xs = range(len(ratios))
-    ax2.bar(xs, [r["value"] for r in ratios],
-            color=["tab:green" if r["met"] else "tab:red" if r["met"] is False else "tab:gray" for r in ratios])
-    for x, r in zip(xs, ratios):
-        if r["target"] is not None:
-            ax2.hlines(r["target"], x - 0.4, x + 0.4, colors="black", linestyles="--")
-        ax2.text(x, r["value"], f"{r['value']:.2f}", ha="center", va="bottom")
-    ax2.set_xticks(list(xs), [r["ratio"].replace("_over_", "\n/ ") for r in ratios], fontsize=7)
-    ax2.set(title="ratios (dashed: target)")
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, max(4.2, 0.45 * len(ratios) + 1.2)),
+                                   gridspec_kw={"width_ratios": [1, 1.25]})
+    _scaling_panel(ax1, report.get("scaling", {}).get("rows", []))
+    _ratios_panel(ax2, ratios)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _scaling_panel(ax, rows: list[dict]) -> None:
+    from matplotlib.ticker import NullLocator
+
+    for name in sorted({"-".join(map(str, r["sizes"])) for r in rows}, key=lambda n: [int(x) for x in n.split("-")]):
+        pts = sorted((r["devices"], r["samples_per_s"]) for r in rows if "-".join(map(str, r["sizes"])) == name)
+        ax.plot(*zip(*pts), marker="o", label=f"MLP {name}")
+    # Device counts are powers of two: a base-2 log axis spaces them evenly, and without minor
+    # ticks matplotlib labels no 3 or 6 (as "3×10^0") between them.
+    ax.set(title="jdp throughput vs fake CPU devices (global batch 256)", xlabel="devices", ylabel="samples/s",
+           yscale="log")
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_minor_locator(NullLocator())
+    if rows:
+        devices = sorted({r["devices"] for r in rows})
+        ax.set_xticks(devices, [str(d) for d in devices])
+        ax.legend()
+
+
+def _ratios_panel(ax, ratios: list[dict]) -> None:
+    """One horizontal bar per ratio, its name on the y axis (long names fit there, unlike under
+    vertical bars), its value at the bar's end and its target as a black tick across the bar."""
+    colors = {True: "tab:green", False: "tab:red", None: "tab:gray"}
+    ys = list(range(len(ratios)))[::-1]  # the first ratio on top, as in report.md
+    ax.barh(ys, [r["value"] for r in ratios], color=[colors[r["met"]] for r in ratios], height=0.6)
+    for y, r in zip(ys, ratios):
+        if r["target"] is not None:
+            ax.vlines(r["target"], y - 0.4, y + 0.4, colors="black", linewidth=2)
+        ax.text(max(r["value"], r["target"] or 0) + 0.04, y, f"{r['value']:.2f}", va="center", fontsize=9)
+    ax.set_yticks(ys, [r["ratio"].replace("_over_", " / ") for r in ratios], fontsize=9)
+    ax.set_xlim(0, 1.15 * max([r["value"] for r in ratios] + [r["target"] or 0 for r in ratios] + [1]))
+    ax.set(title="ratios (green: target met, red: not met, grey: no target; black tick: target)",
+           xlabel="ratio (each one's meaning: report.md)")
+    ax.title.set_fontsize(10)
 
 
 def write_report(report: dict, out: str) -> list[str]:
@@ -139,3 +160,11 @@ def write_report(report: dict, out: str) -> list[str]:
         f.write(markdown(report))
     png = plot(report, os.path.join(out, "throughput.png"))
     return paths + ([png] if png else [])
+
+
+if __name__ == "__main__":  # redraw throughput.png from a saved report.json, without running anything
+    import sys
+
+    out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), "results")
+    with open(os.path.join(out, "report.json")) as f:
+        print(plot(json.load(f), os.path.join(out, "throughput.png")) or "needs matplotlib")
