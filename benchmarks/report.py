@@ -42,8 +42,8 @@ def markdown(report: dict) -> str:
         out += ["", f"## 1. jdp vs hand-written jit(shard_map) and jax.pmap steps with pmean (MLP {'-'.join(map(str, h['mlp']))}, "
                 f"{h['params']:,} params, Adam fp32, global batch {h['global_batch']}, {h['devices']} devices)", ""]
         out += _contenders_table(h["contenders"])
-        out += ["", f"First call (compile + 1 step), s: " + ", ".join(f"{k} {v:.2f}" for k, v in h["first_call_s"].items()),
-                f"Max |Δparam| vs hand-written after 4 steps: " + ", ".join(
+        out += ["", "First call (compile + 1 step), s: " + ", ".join(f"{k} {v:.2f}" for k, v in h["first_call_s"].items()),
+                "Max |Δparam| vs hand-written after 4 steps: " + ", ".join(
                     f"{k} {v:.1e}" for k, v in h["max_param_diff_vs_handwritten_after_4_steps"].items()),
                 "Pre-placed batches: " + ", ".join(f"{k} = {v}" for k, v in h["placed_batch"].items())]
     d = report.get("ddp")
