@@ -98,7 +98,7 @@ MUTANTS = [
            "jax.tree.leaves((step_grads,))",
            ("tests/test_faults_api.py", "-k", "finite_gradient")),
     Mutant("donated_state_not_checked", "step.py",
-           "isinstance(x, jax.Array) and x.is_deleted()",
+           "isinstance(state.step, jax.Array) and state.step.is_deleted()",
            "False",
            ("tests/test_faults_api.py::test_reusing_a_donated_state_raises_instead_of_crashing",)),
     Mutant("all_padding_batch_accepted", "step.py",

@@ -178,7 +178,8 @@ def check_state(state, stacked: bool, backend: str) -> None:
     """Refuse, in one sentence, a state this step cannot take."""
     if not isinstance(state, TrainState):
         raise ValueError(f"state must be the TrainState from step.init, got {type(state).__name__}.")
-    if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(state)):
+    # Donation deletes every buffer of the state at once: its step counter stands for all of them.
+    if isinstance(state.step, jax.Array) and state.step.is_deleted():
         raise ValueError("state was donated to an earlier call of the step and its buffers are gone; use "
                          "the state that call returned (`state, metrics = step(state, batch)`).")
     if state.stacked != stacked:
