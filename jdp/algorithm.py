@@ -89,7 +89,7 @@ def reduce_and_update(state: TrainState, local: LocalAccum, model_state, rows: i
     """
     o = step.options
     grads, (loss, aux, model_state, examples) = reduce_step_values(
-        local.grads, (local.loss, local.aux, model_state, local.examples), o.reduction)
+        local.grads, (local.loss, local.aux, model_state, local.examples), o.reduction, o.reduce_dtype)
     if masked:  # means over the real examples, not the slots (without a mask the factor is 1: skip it)
         grads, loss, aux = over_real_examples((grads, loss, aux), examples, rows)
     updates, opt_state = step.optimizer.update(grads, state.opt_state, state.params)

@@ -1,10 +1,12 @@
-"""What a compiled step communicates: all-reduces read from its HLO, per optimizer step."""
+"""What a compiled step communicates: its collectives (all-reduce, reduce-scatter, all-gather), read
+from its HLO, per optimizer step."""
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
@@ -15,26 +17,50 @@ _BRANCHES = re.compile(r"(?:branch_computations=\{([^}]*)\}|true_computation=%?(
                        r"false_computation=%?([\w.\-]+))")
 
 
-@dataclass(frozen=True)
-class AllReduce:
-    """One all-reduce instruction of the compiled step."""
+KINDS = ("all-reduce", "reduce-scatter", "all-gather")
+# Ring traffic each device sends, as a multiple of the full payload P: a reduce-scatter sends N−1
+# chunks of P/N, an all-gather N−1 chunks of P/N, an all-reduce both (it is one of each).
+_RING = {"all-reduce": lambda n: 2 * (n - 1) / n, "reduce-scatter": lambda n: (n - 1) / n,
+         "all-gather": lambda n: (n - 1) / n}
 
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective instruction of the compiled step."""
+
+    kind: str  # one of KINDS
     computation: str  # the HLO computation that holds it
     runs: str  # "every call", or "update only" (inside the branch that applies the update)
-    bytes: int  # payload per device per execution
+    bytes: int  # full payload per device per execution: the all-reduced value, the reduce-scatter's
+    #             input (N slices), the all-gather's output (N slices)
     executions_per_update: int  # how often it runs per optimizer step
-    carries_gradients: bool  # its payload holds the whole gradient (>= the params' bytes)
+    carries_gradients: bool  # its payload holds the whole gradient (>= the gradient's bytes)
+    widened: bool = False  # the program sends bf16; this backend (CPU) widened it to f32
+
+    def ring_bytes(self, n: int) -> float:
+        """Bytes each of `n` devices sends for one execution in a ring."""
+        return _RING[self.kind](n) * self.bytes
+
+
+AllReduce = Collective  # the name before reduce-scatter and all-gather were reported
 
 
 @dataclass(frozen=True)
 class CommReport:
-    """All-reduce traffic of one optimizer step (accum_steps calls) of a `TrainStep`."""
+    """Collective traffic of one optimizer step (accum_steps calls) of a `TrainStep`."""
 
     devices: int
     accum_steps: int
     accum_sync: str
-    gradient_bytes: int  # bytes of one full gradient (= the params)
-    allreduces: list[AllReduce] = field(default_factory=list)
+    gradient_bytes: int  # bytes of one full gradient as communicated (in reduce_dtype, if set)
+    collectives: list[Collective] = field(default_factory=list)
+
+    @property
+    def allreduces(self) -> list[Collective]:
+        return [c for c in self.collectives if c.kind == "all-reduce"]
+
+    def of_kind(self, kind: str) -> list[Collective]:
+        return [c for c in self.collectives if c.kind == kind]
 
     @property
     def gradient_allreduces_per_update(self) -> int:
@@ -43,25 +69,25 @@ class CommReport:
 
     @property
     def bytes_per_update(self) -> int:
-        """All-reduce payload bytes per device per optimizer step."""
-        return sum(a.bytes * a.executions_per_update for a in self.allreduces)
+        """Full payload bytes of every collective, per device per optimizer step."""
+        return sum(c.bytes * c.executions_per_update for c in self.collectives)
 
     @property
     def ring_bytes_per_device(self) -> float:
-        """Ring all-reduce traffic each device sends per optimizer step: in a ring all-reduce each device
-        sends 2(N−1)/N · bytes (N−1 reduce-scatter chunks, then N−1 all-gather chunks, of bytes/N each)."""
-        n = self.devices
-        return 2 * (n - 1) / n * self.bytes_per_update
+        """Ring traffic each device sends per optimizer step: 2(N−1)/N · bytes for an all-reduce
+        (N−1 reduce-scatter chunks, then N−1 all-gather chunks, of bytes/N each), (N−1)/N · bytes
+        for a reduce-scatter or an all-gather."""
+        return sum(c.ring_bytes(self.devices) * c.executions_per_update for c in self.collectives)
 
     def __str__(self) -> str:
         lines = [f"{self.devices} devices, accum_steps={self.accum_steps}, accum_sync={self.accum_sync!r}: "
                  f"{self.gradient_allreduces_per_update} gradient all-reduce(s) per optimizer step, "
                  f"{self.bytes_per_update:,} bytes, ring traffic {self.ring_bytes_per_device:,.0f} bytes/device "
                  f"(gradient = {self.gradient_bytes:,} bytes)"]
-        for a in self.allreduces:
-            lines.append(f"  all-reduce in {a.computation}: {a.bytes:,} bytes, runs {a.runs}, "
-                         f"×{a.executions_per_update} per optimizer step"
-                         + (" (gradient)" if a.carries_gradients else ""))
+        for c in self.collectives:
+            lines.append(f"  {c.kind} in {c.computation}: {c.bytes:,} bytes, runs {c.runs}, "
+                         f"×{c.executions_per_update} per optimizer step" + (" (gradient)" if c.carries_gradients else "")
+                         + (" (bf16 in the program; this backend's collectives widen it to f32)" if c.widened else ""))
         return "\n".join(lines)
 
 
@@ -72,8 +98,12 @@ def _shape_bytes(text: str) -> int:
     return total
 
 
-def parse_allreduces(hlo: str) -> list[tuple[str, bool, int]]:
-    """`(computation, inside a conditional branch, payload bytes)` for each all-reduce in `hlo`."""
+_OP = re.compile(r"=\s*(.*?)\s+(all-reduce|reduce-scatter|all-gather)(?:-start)?\((.*)$")
+
+
+def parse_collectives(hlo: str) -> list[dict]:
+    """Each collective in the HLO text `hlo`: kind, computation, whether it sits in a conditional
+    branch, full payload bytes (see `Collective.bytes`) and whether the backend widened it."""
     computation, found, branches = None, [], set()
     for line in hlo.splitlines():
         header = _HEADER.match(line)
@@ -83,24 +113,52 @@ def parse_allreduces(hlo: str) -> list[tuple[str, bool, int]]:
         for m in _BRANCHES.finditer(line):
             names = m.group(1).split(",") if m.group(1) else [m.group(2), m.group(3)]
             branches.update(n.strip().lstrip("%") for n in names)
-        op = re.search(r"=\s*(.*?)\s+all-reduce(?:-start)?\(", line)
+        op = _OP.search(line)
         if op:
-            found.append((computation, op.group(1)))
-    return [(comp, comp in branches, _shape_bytes(shape)) for comp, shape in found]
+            result, kind, rest = op.groups()
+            nbytes = _shape_bytes(result)
+            if kind == "reduce-scatter":  # the result is one slice: the payload is N of them
+                nbytes *= _group_size(rest)
+            found.append({"kind": kind, "computation": computation, "bytes": nbytes,
+                          "widened": "_promoted" in rest})
+    for f in found:
+        f["in_branch"] = f["computation"] in branches
+    return found
+
+
+def _group_size(attrs: str) -> int:
+    """Devices in the first replica group of an HLO collective (`replica_groups={{0,1,2,3},...}`
+    or the iota form `replica_groups=[1,4]<=[4]`)."""
+    m = re.search(r"replica_groups=\{\{([\d,]+)\}", attrs)
+    if m:
+        return len(m.group(1).split(","))
+    m = re.search(r"replica_groups=\[(\d+),(\d+)\]", attrs)
+    return int(m.group(2)) if m else 1
+
+
+def parse_allreduces(hlo: str) -> list[tuple[str, bool, int]]:
+    """`(computation, inside a conditional branch, payload bytes)` for each all-reduce in `hlo`."""
+    return [(c["computation"], c["in_branch"], c["bytes"]) for c in parse_collectives(hlo) if c["kind"] == "all-reduce"]
 
 
 def comm_report(step, state, batch) -> CommReport:
-    """Read the compiled `step` for (state, batch) and report its all-reduces per optimizer step.
+    """Read the compiled `step` for (state, batch) and report its collectives per optimizer step.
 
-    An all-reduce in the step's main computation runs on every call, i.e. `accum_steps` times per
+    A collective in the step's main computation runs on every call, i.e. `accum_steps` times per
     optimizer step; one inside a conditional branch runs only on the call that applies the update.
+    On CPU, XLA widens bf16 collectives to f32 (its collectives have no bf16): those are reported
+    with their f32 bytes and marked `widened`; GPUs send them as bf16.
     """
     hlo = step.lower(state, batch).compile().as_text()
     params = jax.tree.leaves(state.params)
     per_copy = [x.shape[1:] if state.stacked else x.shape for x in params]
-    grad_bytes = int(sum(np.prod(s, dtype=np.int64) * x.dtype.itemsize for s, x in zip(per_copy, params)))
-    allreduces = [AllReduce(computation=comp, runs="update only" if in_branch else "every call", bytes=nbytes,
-                            executions_per_update=1 if in_branch else step.accum_steps,
-                            carries_gradients=nbytes >= grad_bytes)
-                  for comp, in_branch, nbytes in parse_allreduces(hlo)]
-    return CommReport(step.num_devices, step.accum_steps, step.accum_sync, grad_bytes, allreduces)
+    sent = step.options.reduce_dtype
+    itemsize = lambda x: np.dtype(sent).itemsize if sent and jnp.issubdtype(x.dtype, jnp.floating) else x.dtype.itemsize  # noqa: E731
+    grad_bytes = int(sum(np.prod(s, dtype=np.int64) * itemsize(x) for s, x in zip(per_copy, params)))
+    collectives = [Collective(kind=c["kind"], computation=c["computation"],
+                              runs="update only" if c["in_branch"] else "every call", bytes=c["bytes"],
+                              executions_per_update=1 if c["in_branch"] else step.accum_steps,
+                              carries_gradients=c["kind"] == "all-reduce" and c["bytes"] >= grad_bytes,
+                              widened=c["widened"])
+                   for c in parse_collectives(hlo)]
+    return CommReport(step.num_devices, step.accum_steps, step.accum_sync, grad_bytes, collectives)

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from jdp.precision import dtype_name
+
 BACKENDS = ("shard_map", "pmap")
 REDUCTIONS = ("mean", "sum")
 LR_CORRECTIONS = ("auto", "none", "exact")
@@ -42,6 +44,8 @@ class StepOptions:
     mask_key: str | None = "mask"
     skip_nonfinite: bool = False
     grad_norm: bool = True
+    precision: str = "float32"  # compute dtype of forward and backward: "float32" or "bfloat16"
+    reduce_dtype: str | None = None  # dtype the gradient is all-reduced in; None: the gradient's own
 
     def __post_init__(self):
         for field, choices in (("backend", BACKENDS), ("reduction", REDUCTIONS), ("accum_sync", ACCUM_SYNCS)):
@@ -54,6 +58,11 @@ class StepOptions:
                 raise OptionError(field, f"{field}={getattr(self, field)!r} must be True or False.")
         if self.mask_key is not None and not isinstance(self.mask_key, str):
             raise OptionError("mask_key", f"mask_key={self.mask_key!r} must be a string or None.")
+        for field, allow_none in (("precision", False), ("reduce_dtype", True)):
+            try:
+                object.__setattr__(self, field, dtype_name(getattr(self, field), field, allow_none))
+            except ValueError as e:
+                raise OptionError(field, str(e)) from None
         object.__setattr__(self, "accum_steps", int(self.accum_steps))
         object.__setattr__(self, "lr_correction", self._resolved_lr_correction())
 

@@ -48,17 +48,24 @@ def sum_over_devices(tree):
     return _psum_scaled(tree, [False] * n_leaves, [False] * n_leaves)
 
 
-def reduce_step_values(grads, means, reduction: str):
+def reduce_step_values(grads, means, reduction: str, reduce_dtype=None):
     """Reduce one step's gradients (by `reduction`) and other values (by mean) in one all-reduce.
 
     Returns `(grads, means)`: with "mean" the gradient of the mean loss over all N·b examples, with
     "sum" N times it; every leaf of `means` (loss, aux metrics, model state) is averaged over the
-    N devices, i.e. per-device means become means over all N·b examples.
+    N devices, i.e. per-device means become means over all N·b examples. `reduce_dtype` (e.g.
+    jnp.bfloat16) is the dtype the float gradients travel in: cast before the all-reduce (a bf16
+    mean is divided by N before the sum) and back to their own dtype after it.
     """
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction={reduction!r} is not supported; use one of {REDUCTIONS}.")
-    is_grad = [True] * len(jax.tree.leaves(grads)) + [False] * len(jax.tree.leaves(means))
+    own = [x.dtype for x in jax.tree.leaves(grads)]
+    if reduce_dtype is not None:
+        grads = jax.tree.map(lambda g: g.astype(reduce_dtype) if jnp.issubdtype(g.dtype, jnp.floating) else g, grads)
+    is_grad = [True] * len(own) + [False] * len(jax.tree.leaves(means))
     low = [_low_precision(x) for x in jax.tree.leaves((grads, means))]
     divide = [reduction == "mean" or not g for g in is_grad]  # a mean divides by N once
-    return _psum_scaled((grads, means), [d and lo for d, lo in zip(divide, low)],
-                        [d and not lo for d, lo in zip(divide, low)])
+    grads, means = _psum_scaled((grads, means), [d and lo for d, lo in zip(divide, low)],
+                                [d and not lo for d, lo in zip(divide, low)])
+    leaves, treedef = jax.tree.flatten(grads)
+    return jax.tree.unflatten(treedef, [g.astype(d) for g, d in zip(leaves, own)]), means

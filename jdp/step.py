@@ -21,6 +21,7 @@ from jdp.layouts import LAYOUTS, UNSIZED, aux_shapes
 from jdp.mesh import batch_sharded, make_mesh
 from jdp.optim import OptimizerSpec, for_reduction
 from jdp.options import StepOptions
+from jdp.precision import check_master_params, in_precision
 from jdp.state import TrainState
 
 class TrainStep:
@@ -46,7 +47,7 @@ class TrainStep:
         # accum_sync="last" sums per device; "every" (M > 1) sums reduced, replicated metrics.
         accum = "per_device" if o.local_accum else "replicated" if o.multi_steps else None
         self.layout = LAYOUTS[o.backend](self.mesh, accum)
-        self._loss = partial(call_loss, loss_fn, o)
+        self._loss = in_precision(partial(call_loss, loss_fn, o), o.precision, o.mask_key)
         self._step = self.layout.compile(partial(self._traced, Step(self._loss, self.optimizer, o, self.layout)))
         self._init = jax.jit(self._init_state, out_shardings=self.layout.state_shardings)
         self.run_ahead = RunAhead(self.devices)  # bounds steps in flight on CPU devices (see jdp.cpu)
@@ -78,6 +79,7 @@ class TrainStep:
         """
         if not jax.tree.leaves(params):
             raise ValueError("params has no array leaves; pass a pytree of arrays.")
+        check_master_params(params, self.options.precision)
         if jax.tree.leaves(model_state) and not self.options.has_state:
             raise ValueError("model_state was given but the step was made without has_state=True, so loss_fn "
                              "would never see or update it.")
@@ -206,7 +208,7 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation |
                     devices: Sequence[jax.Device] | None = None, has_aux: bool = False,
                     needs_rng: bool = False, has_state: bool = False, mask_key: str | None = "mask",
                     accum_steps: int = 1, accum_sync: str = "every", skip_nonfinite: bool = False,
-                    grad_norm: bool = True) -> TrainStep:
+                    grad_norm: bool = True, precision="float32", reduce_dtype=None) -> TrainStep:
     """Build a data-parallel training step.
 
     Args:
@@ -241,6 +243,16 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation |
         them, `state.skip_streak` counts consecutive ones, and metrics report `skipped`.
       grad_norm: report the global L2 norm of the step's reduced gradient as
         `metrics["grad_norm"]` (float32). It reads the whole gradient once more; False leaves it out.
+      precision: "float32" or "bfloat16" ("fp32"/"bf16", or the jnp dtypes): with bfloat16, loss_fn
+        runs on bf16 copies of the params and of the batch's float leaves (not the mask), so its
+        forward and backward compute in bf16, while the params (master weights), optimizer and model
+        state, the gradient reaching the optimizer, the loss and aux stay float32. Compute softmax
+        and cross-entropy on float32 logits (jdp's models return them). float16 is refused: it
+        needs loss scaling.
+      reduce_dtype: the dtype the gradient is all-reduced in; None (default) keeps the gradient's
+        own. "bfloat16" halves the all-reduce's bytes (each device divides by N before the sum, so
+        it cannot overflow; the mean is cast back to float32 for the optimizer) at the cost of
+        rounding the gradient to bf16 (`jdp explain` measures it).
 
     Returns:
       A `TrainStep`: `state = step.init(params)`, `state, metrics = step(state, batch)` where the
@@ -248,7 +260,8 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation |
     """
     options = StepOptions(backend=backend, reduction=reduction, lr_correction=lr_correction, has_aux=has_aux,
                           needs_rng=needs_rng, has_state=has_state, mask_key=mask_key, accum_steps=accum_steps,
-                          accum_sync=accum_sync, skip_nonfinite=skip_nonfinite, grad_norm=grad_norm)
+                          accum_sync=accum_sync, skip_nonfinite=skip_nonfinite, grad_norm=grad_norm,
+                          precision=precision, reduce_dtype=reduce_dtype)
     return TrainStep(loss_fn, optimizer, options, devices)
 
 

@@ -27,7 +27,7 @@ QUICK = (
     "test_seeds.py", "test_traps.py", "test_step_rules.py", "test_scale_visible.py", "test_sum_metrics.py",
     "test_state_and_mask.py", "test_faults_api.py", "test_replicas.py", "test_train_reference.py",
     "test_config.py", "test_data.py", "test_data_order.py", "test_drop_last_divisible.py", "test_faults_input.py",
-    "test_nnx.py", "test_mutants.py",
+    "test_nnx.py", "test_mutants.py", "test_precision.py",
     "test_nonfinite.py::test_nan_batch_is_skipped_and_counted",
     "test_model_dp.py::test_cnn_sync_batchnorm_equals_one_device_and_local_does_not",
     "test_linen.py::test_one_sentence_errors", "test_linen.py::test_bridge_equals_the_linen_loop_and_hands_back",
