@@ -20,7 +20,7 @@ import optax
 from jax import lax
 
 from jdp.options import StepOptions
-from jdp.reduce import mean_over_devices, reduce_step_values
+from jdp.reduce import mean_over_devices
 from jdp.state import LocalAccum, TrainState, device_key
 
 
@@ -81,29 +81,37 @@ def device_step(state: TrainState, batch, step: Step) -> tuple[TrainState, dict]
 
 
 def reduce_and_update(state: TrainState, local: LocalAccum, model_state, rows: int, masked: bool, step: Step):
-    """Reduce this device's means over N devices in one all-reduce, then take the optimizer step.
+    """Reduce this device's means over N devices, then take the optimizer step.
 
     `local` holds this device's mean gradient, loss and aux over its examples (over M calls with
-    accum_sync="last") and its count of real examples (the same mean). Returns the new params,
-    optimizer and model state, whether the update was skipped, and the global metrics.
+    accum_sync="last") and its count of real examples (the same mean). The layout reduces them
+    (one all-reduce; or, with the optimizer state sharded, a reduce-scatter of the gradient that
+    leaves this device its slice, and a small all-reduce), and `own`/`gather` give the optimizer the
+    params it updates here (all of them, or this device's slice) and every device the whole result.
+    Returns the new params, optimizer and model state, whether the update was skipped, and the
+    global metrics.
     """
-    o = step.options
-    grads, (loss, aux, model_state, examples) = reduce_step_values(
-        local.grads, (local.loss, local.aux, model_state, local.examples), o.reduction, o.reduce_dtype)
+    o, layout = step.options, step.layout
+    grads, (loss, aux, model_state, examples) = layout.reduce(
+        local.grads, (local.loss, local.aux, model_state, local.examples), o)
     if masked:  # means over the real examples, not the slots (without a mask the factor is 1: skip it)
         grads, loss, aux = over_real_examples((grads, loss, aux), examples, rows)
-    updates, opt_state = step.optimizer.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    params = layout.own(state.params)
+    updates, opt_state = step.optimizer.update(grads, state.opt_state, params)
+    new_params = optax.apply_updates(params, updates)
     step_grads = grads_of_step(grads, state.opt_state, o)
     skip = jnp.zeros((), bool)
     if o.skip_nonfinite:
-        params, opt_state, skip = unless_nonfinite(step_grads, state, params, opt_state, o)
-    return Update(params, opt_state, model_state, skip), step_metrics(loss, step_grads, aux, o)
+        new_params, opt_state, skip = unless_nonfinite(step_grads, params, state.opt_state, new_params, opt_state,
+                                                       o, layout)
+    return (Update(layout.gather(new_params), opt_state, model_state, skip),
+            step_metrics(loss, step_grads, aux, o, layout.global_norm))
 
 
 def hold(state: TrainState, this_call: LocalAccum, step: Step):
     """accum_sync="last" between updates: state unchanged; no communication, so NaN metrics."""
-    shapes = jax.eval_shape(lambda: step_metrics(this_call.loss, this_call.grads, this_call.aux, step.options))
+    shapes = jax.eval_shape(lambda: step_metrics(this_call.loss, this_call.grads, this_call.aux, step.options,
+                                                 step.layout.global_norm))
     return Update(state.params, state.opt_state, (), jnp.zeros((), bool)), nan_like(shapes)
 
 
@@ -130,15 +138,16 @@ def grads_of_step(grads, opt_state, o: StepOptions):
     return jax.tree.map(lambda g, acc: acc + (g - acc) / n, grads, opt_state.acc_grads)
 
 
-def unless_nonfinite(step_grads, state: TrainState, params, opt_state, o: StepOptions):
+def unless_nonfinite(step_grads, old_params, old_opt_state, params, opt_state, o: StepOptions, layout):
     """skip_nonfinite: keep the old params and optimizer state if the step's reduced gradient, or
-    the params or optimizer state it produced, hold a NaN/Inf (the same decision on every device:
-    all of them are replicated values). Finite gradients can still make them non-finite, e.g. an
-    Adam ε of 0 or a second moment that overflows."""
+    the params or optimizer state it produced, hold a NaN/Inf. `layout.everywhere` makes it one
+    decision on every device (with the optimizer state sharded, each device sees only its slice).
+    Finite gradients can still make them non-finite, e.g. an Adam ε of 0 or a second moment that
+    overflows."""
     # MultiSteps' running sum may hold a NaN until the update: its inner state is what counts.
     inner = opt_state.inner_opt_state if o.multi_steps else opt_state
     checked = [x for x in jax.tree.leaves((step_grads, params, inner)) if jnp.issubdtype(x.dtype, jnp.inexact)]
-    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in checked]))
+    finite = layout.everywhere(jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in checked])))
     keep = lambda new, old: jax.tree.map(lambda n, p: jnp.where(finite, n, p), new, old)  # noqa: E731
     if o.multi_steps:
         # MultiSteps resets its sum as (1 - emit)·sum, which keeps a NaN: reset it here. Between
@@ -146,17 +155,17 @@ def unless_nonfinite(step_grads, state: TrainState, params, opt_state, o: StepOp
         emit = opt_state.mini_step == 0
         acc = jax.tree.map(lambda a: jnp.where(emit, jnp.zeros_like(a), a), opt_state.acc_grads)
         opt_state = opt_state._replace(acc_grads=acc,
-                                       inner_opt_state=keep(opt_state.inner_opt_state, state.opt_state.inner_opt_state))
-        return keep(params, state.params), opt_state, emit & ~finite
-    return keep(params, state.params), keep(opt_state, state.opt_state), ~finite
+                                       inner_opt_state=keep(opt_state.inner_opt_state, old_opt_state.inner_opt_state))
+        return keep(params, old_params), opt_state, emit & ~finite
+    return keep(params, old_params), keep(opt_state, old_opt_state), ~finite
 
 
-def step_metrics(loss, grads, aux, o: StepOptions) -> dict:
-    """Global metrics from reduced values: means over all the examples the gradient covers."""
+def step_metrics(loss, grads, aux, o: StepOptions, global_norm) -> dict:
+    """Global metrics from reduced values: means over all the examples the gradient covers.
+    `global_norm(grads)` is the L2 norm of the whole gradient (from slices, if it is sharded)."""
     metrics = {"loss": loss.astype(jnp.float32)}
     if o.grad_norm:  # a pass over the reduced gradient: ~9% of an MLP step on 2 CPU devices
-        # In float32: squaring fp16 gradients overflows long before the gradients do.
-        metrics["grad_norm"] = optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), grads))
+        metrics["grad_norm"] = global_norm(grads)
     if o.has_aux:
         metrics["aux"] = aux
     return metrics

@@ -9,10 +9,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jdp.mesh import DATA_AXIS, batch_sharded, replicated
+from jdp.reduce import reduce_step_values
 from jdp.state import LocalAccum, TrainState
 
 UNSIZED = None  # the aux part of an accumulator before the first call has shown aux's structure
@@ -47,6 +49,26 @@ class ShardMapLayout:
         # gradient over devices itself (and pmean becomes the identity). Casting them to per-device
         # values outside the loss makes grad return this device's own gradient.
         return lax.pcast(params, DATA_AXIS, to="varying")
+
+    # The optimizer's view (see `jdp.algorithm.reduce_and_update`): here every device reduces the
+    # whole gradient and updates all the params; `jdp.zero.ShardedStateLayout` slices them.
+    def reduce(self, grads, means, o):
+        """`(grads, means)` reduced in one all-reduce: `reduce_step_values`' scales."""
+        return reduce_step_values(grads, means, o.reduction, o.reduce_dtype)
+
+    def own(self, params):
+        return params
+
+    def gather(self, params):
+        return params
+
+    def everywhere(self, flag):
+        """A replicated bool is already the same on every device."""
+        return flag
+
+    def global_norm(self, grads):
+        """The whole gradient's L2 norm, in float32 (squaring fp16 overflows long before the values do)."""
+        return optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), grads))
 
     def local(self, accum):
         """This device's accumulator from its (1, ...) block of the (N, ...) one."""
