@@ -50,6 +50,10 @@ class ShardMapLayout:
         # values outside the loss makes grad return this device's own gradient.
         return lax.pcast(params, DATA_AXIS, to="varying")
 
+    def bind(self, params) -> bool:
+        """Fit the layout to `params`' shapes; True if that changed `state_shardings` (never here)."""
+        return False
+
     # The optimizer's view (see `jdp.algorithm.reduce_and_update`): here every device reduces the
     # whole gradient and updates all the params; `jdp.zero.ShardedStateLayout` slices them.
     def reduce(self, grads, means, o):

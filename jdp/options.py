@@ -46,6 +46,7 @@ class StepOptions:
     grad_norm: bool = True
     precision: str = "float32"  # compute dtype of forward and backward: "float32" or "bfloat16"
     reduce_dtype: str | None = None  # dtype the gradient is all-reduced in; None: the gradient's own
+    shard_optimizer_state: bool = False  # ZeRO-1: each device keeps 1/N of the optimizer state
 
     def __post_init__(self):
         for field, choices in (("backend", BACKENDS), ("reduction", REDUCTIONS), ("accum_sync", ACCUM_SYNCS)):
@@ -53,9 +54,12 @@ class StepOptions:
                 raise OptionError(field, f"{field}={getattr(self, field)!r} is not supported; use one of {choices}.")
         if not _is_int(self.accum_steps) or self.accum_steps < 1:
             raise OptionError("accum_steps", f"accum_steps={self.accum_steps!r} must be an integer of at least 1.")
-        for field in ("has_aux", "needs_rng", "has_state", "skip_nonfinite", "grad_norm"):
+        for field in ("has_aux", "needs_rng", "has_state", "skip_nonfinite", "grad_norm", "shard_optimizer_state"):
             if not isinstance(getattr(self, field), (bool, np.bool_)):
                 raise OptionError(field, f"{field}={getattr(self, field)!r} must be True or False.")
+        if self.shard_optimizer_state and self.backend != "shard_map":
+            raise OptionError("shard_optimizer_state", f"shard_optimizer_state=True needs backend='shard_map' "
+                              f"(got {self.backend!r}): pmap keeps a whole copy of the state on every device.")
         if self.mask_key is not None and not isinstance(self.mask_key, str):
             raise OptionError("mask_key", f"mask_key={self.mask_key!r} must be a string or None.")
         for field, allow_none in (("precision", False), ("reduce_dtype", True)):

@@ -23,6 +23,7 @@ from jdp.optim import OptimizerSpec, for_reduction
 from jdp.options import StepOptions
 from jdp.precision import check_master_params, in_precision
 from jdp.state import TrainState
+from jdp.zero import ShardedStateLayout, check_elementwise
 
 class TrainStep:
     """A compiled data-parallel training step. Build it with `make_train_step`."""
@@ -41,15 +42,18 @@ class TrainStep:
         self.multi_process = jax.process_count() > 1
         if self.multi_process and o.backend == "pmap":
             raise ValueError("multi-process runs need backend='shard_map'; pmap feeds process-local devices only.")
-        self.optimizer = for_reduction(optimizer, o.lr_correction, self.num_devices)
+        self.optimizer = for_reduction(optimizer, o.lr_correction, self.num_devices, o.shard_optimizer_state)
+        if o.shard_optimizer_state:
+            check_elementwise(self.optimizer)
         if o.multi_steps:
             self.optimizer = optax.MultiSteps(self.optimizer, every_k_schedule=o.accum_steps).gradient_transformation()
         # accum_sync="last" sums per device; "every" (M > 1) sums reduced, replicated metrics.
         accum = "per_device" if o.local_accum else "replicated" if o.multi_steps else None
-        self.layout = LAYOUTS[o.backend](self.mesh, accum)
+        self.layout = (ShardedStateLayout(self.mesh, accum, self.optimizer) if o.shard_optimizer_state
+                       else LAYOUTS[o.backend](self.mesh, accum))
         self._loss = in_precision(partial(call_loss, loss_fn, o), o.precision, o.mask_key)
         self._step = self.layout.compile(partial(self._traced, Step(self._loss, self.optimizer, o, self.layout)))
-        self._init = jax.jit(self._init_state, out_shardings=self.layout.state_shardings)
+        self._init = None  # built by init, once the layout knows the params' shapes
         self.run_ahead = RunAhead(self.devices)  # bounds steps in flight on CPU devices (see jdp.cpu)
         self._placed = weakref.WeakValueDictionary()  # arrays shard_batch produced, by id
         self.trace_count = 0  # how often the step was traced (= compiled); tests assert it stays 1
@@ -83,6 +87,8 @@ class TrainStep:
         if jax.tree.leaves(model_state) and not self.options.has_state:
             raise ValueError("model_state was given but the step was made without has_state=True, so loss_fn "
                              "would never see or update it.")
+        if self.layout.bind(params) or self._init is None:
+            self._init = jax.jit(self._init_state, out_shardings=self.layout.state_shardings)
         state = self._init(params, model_state, jax.random.key_data(jax.random.key(seed)),
                            UNSIZED if self.options.has_aux else {})
         return state if example_batch is None else self._sized(state, self.shard_batch(example_batch))
@@ -208,7 +214,8 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation |
                     devices: Sequence[jax.Device] | None = None, has_aux: bool = False,
                     needs_rng: bool = False, has_state: bool = False, mask_key: str | None = "mask",
                     accum_steps: int = 1, accum_sync: str = "every", skip_nonfinite: bool = False,
-                    grad_norm: bool = True, precision="float32", reduce_dtype=None) -> TrainStep:
+                    grad_norm: bool = True, precision="float32", reduce_dtype=None,
+                    shard_optimizer_state: bool = False) -> TrainStep:
     """Build a data-parallel training step.
 
     Args:
@@ -253,6 +260,12 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation |
         own. "bfloat16" halves the all-reduce's bytes (each device divides by N before the sum, so
         it cannot overflow; the mean is cast back to float32 for the optimizer) at the cost of
         rounding the gradient to bf16 (`jdp explain` measures it).
+      shard_optimizer_state: ZeRO stage 1 (shard_map only): each device keeps 1/N of the optimizer
+        state (params stay replicated); the gradient is reduce-scattered, each device updates its
+        slice of the params, and an all-gather gives every device the whole new params: the same
+        ring traffic as the all-reduce, the same step (`jdp.zero`). The optimizer must be
+        elementwise (checked; global-norm clipping through `OptimizerSpec(clip_norm=...)` is
+        exact). Checkpoints (`canonical`) are the same as the replicated layout's.
 
     Returns:
       A `TrainStep`: `state = step.init(params)`, `state, metrics = step(state, batch)` where the
@@ -261,7 +274,7 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation |
     options = StepOptions(backend=backend, reduction=reduction, lr_correction=lr_correction, has_aux=has_aux,
                           needs_rng=needs_rng, has_state=has_state, mask_key=mask_key, accum_steps=accum_steps,
                           accum_sync=accum_sync, skip_nonfinite=skip_nonfinite, grad_norm=grad_norm,
-                          precision=precision, reduce_dtype=reduce_dtype)
+                          precision=precision, reduce_dtype=reduce_dtype, shard_optimizer_state=shard_optimizer_state)
     return TrainStep(loss_fn, optimizer, options, devices)
 
 
