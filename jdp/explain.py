@@ -48,7 +48,7 @@ def _mse(params, batch):
 
 
 @functools.lru_cache(maxsize=256)
-def _train_step(loss_fn, spec: OptimizerSpec, reduction: str, lr_correction, n: int, backend: str):
+def _train_step(loss_fn, spec: OptimizerSpec, reduction: str, lr_correction, n: int, backend: str, reduce_dtype=None):
     """jdp's step for one configuration, built once and reused by every part that runs it.
 
     XLA's compilation is ~80% of each run here (~0.3 s against ~1 ms of stepping), and the parts
@@ -57,7 +57,7 @@ def _train_step(loss_fn, spec: OptimizerSpec, reduction: str, lr_correction, n: 
     step serves every scale). `explain()` clears the cache when it returns.
     """
     return make_train_step(loss_fn, spec, backend=backend, reduction=reduction, lr_correction=lr_correction,
-                           devices=cpu_devices(n))
+                           devices=cpu_devices(n), reduce_dtype=reduce_dtype)
 
 
 def _step_once(x, t, w, lr, n, reduction="mean", lr_correction=None, backend="shard_map"):
@@ -127,9 +127,9 @@ def _mlp_loss(params, batch):
 
 
 def _train(problem: Problem, spec: OptimizerSpec, reduction: str, lr_correction, n: int,
-           backend: str = "shard_map", loss_scale: float = 1.0):
+           backend: str = "shard_map", loss_scale: float = 1.0, reduce_dtype=None):
     """Params after training on `problem`, and the gradient norm each step saw (what clipping sees)."""
-    step = _train_step(_mlp_loss, spec, reduction, lr_correction, n, backend)
+    step = _train_step(_mlp_loss, spec, reduction, lr_correction, n, backend, reduce_dtype)
     state = step.init(problem.params)
     scale = np.full(len(problem.batches[0]["y"]), loss_scale, np.float32)
     norms = []
@@ -271,6 +271,7 @@ class Progress:
 def explain(ns=(2, 4, 8), backend: str = "shard_map", progress: Callable[[Progress], object] | None = None) -> dict:
     """All of `jdp explain`'s results, as plain data. `progress(Progress)`, if given, is called as
     each part starts and as each row of the deviation matrix (most of the time) starts."""
+    from jdp.explain_precision import bf16_communication  # here: that module imports this one
     tell = progress or (lambda event: None)
     t0 = time.perf_counter()
     n = max(ns)
@@ -286,6 +287,8 @@ def explain(ns=(2, 4, 8), backend: str = "shard_map", progress: Callable[[Progre
             part = functools.partial(Progress, number, PARTS[key])
             tell(part())
             results[key] = run(lambda k, total, what: tell(part(k, total, what)))  # called before the next part
+            if key == "matrix":  # part 3 goes on: the matrix's problem and references, with a bf16 all-reduce
+                results["bf16_comm"] = bf16_communication(ns, backend)
     finally:
         _train_step.cache_clear()  # the compiled steps are of no use to anything else
     return {**results, "conclusion": CONCLUSION, "backend": backend, "seconds": round(time.perf_counter() - t0, 1)}
@@ -379,6 +382,8 @@ def render(results: dict, console=None) -> None:
     table.add_row("lax.pmean (sum, then divide)", str(f["lax_pmean"]))
     table.add_row("jdp mean (divide, then sum)", str(f["jdp_mean_divide_first"]))
     console.print(table)
+    from jdp.explain_precision import render_bf16_communication  # (imports this module)
+    render_bf16_communication(results["bf16_comm"], console)
     console.print("\n[bold]Conclusion.[/bold] " + results["conclusion"])
 
 
