@@ -6,8 +6,9 @@ exactly the step one device would take on the whole global batch.
 The public API is what this module exports; everything else lives in its module (`jdp.reduce`,
 `jdp.layouts`, `jdp.algorithm`, `jdp.data`, `jdp.models`, `jdp.train`, ...).
 """
-from jdp import cpu, nnx
+from jdp import cpu, nnx, zero
 from jdp.comm import CommReport, comm_report
+from jdp.memory import MemoryReport, memory_report
 from jdp.mesh import DATA_AXIS, make_mesh
 from jdp.optim import OptimizerSpec, exact_sum_spec
 from jdp.options import StepOptions
@@ -39,6 +40,7 @@ def __getattr__(name: str):
 __all__ = [
     "CommReport",
     "DATA_AXIS",
+    "MemoryReport",
     "OptimizerSpec",
     "ReplicaMismatchError",
     "StepOptions",
@@ -53,9 +55,11 @@ __all__ = [
     "linen",
     "make_mesh",
     "make_train_step",
+    "memory_report",
     "models",
     "nnx",
     "replica_mismatches",
     "restore_state",
     "save_state",
+    "zero",
 ]

@@ -1,0 +1,61 @@
+"""What a step keeps on each device: params, gradient, optimizer state, accumulator, in bytes."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+
+def bytes_on_one_device(tree) -> int:
+    """Bytes of `tree`'s arrays held by the first device: a replicated leaf counts whole, a sharded
+    one by its shard (and a pmap-stacked one by its one copy)."""
+    return int(sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)))
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Bytes per device of one step's state, read from the arrays' shards (and XLA's analysis)."""
+
+    devices: int
+    sharded: bool  # shard_optimizer_state
+    params: int
+    gradient: int  # the backward pass's gradient: whole on every device in both layouts
+    reduced_gradient: int  # after the reduction: the whole gradient, or this device's slice
+    optimizer_state: int
+    accumulator: int  # accum_sync="last": this device's gradient sums; "every": a few scalars
+    compiled: dict | None = None  # XLA's memory analysis of the compiled step, bytes per device
+
+    @property
+    def state(self) -> int:
+        """Bytes of the state the step keeps between calls."""
+        return self.params + self.optimizer_state + self.accumulator
+
+    def __str__(self) -> str:
+        layout = "optimizer state sharded" if self.sharded else "replicated"
+        text = (f"{self.devices} device(s), {layout}: per device params {self.params:,} B, gradient "
+                f"{self.gradient:,} B (reduced: {self.reduced_gradient:,} B), optimizer state "
+                f"{self.optimizer_state:,} B, accumulator {self.accumulator:,} B")
+        if self.compiled:
+            text += ", compiled step: " + ", ".join(f"{k} {v:,} B" for k, v in self.compiled.items())
+        return text
+
+
+def memory_report(step, state, batch=None) -> MemoryReport:
+    """Bytes per device of `state` (from `step.init`) for `step`; with `batch`, also XLA's memory
+    analysis of the compiled step (arguments, outputs, temporaries)."""
+    float_bytes = int(sum(np.prod(np.shape(x)[1:] if state.stacked else np.shape(x), dtype=np.int64) * x.dtype.itemsize
+                          for x in jax.tree.leaves(state.params) if np.issubdtype(x.dtype, np.inexact)))
+    slices = getattr(step.layout, "slices", None)
+    reduced = (float_bytes if slices is None else
+               int(sum(c * leaf.dtype.itemsize for c, leaf in zip(slices.chunks, slices.leaves)
+                       if np.issubdtype(leaf.dtype, np.inexact))))
+    compiled = None
+    if batch is not None:
+        stats = step.lower(state, batch).compile().memory_analysis()
+        compiled = None if stats is None else {name: int(getattr(stats, f"{name}_size_in_bytes"))
+                                               for name in ("argument", "output", "temp")}
+    return MemoryReport(devices=step.num_devices, sharded=slices is not None, params=bytes_on_one_device(state.params),
+                        gradient=float_bytes, reduced_gradient=reduced,
+                        optimizer_state=bytes_on_one_device(state.opt_state),
+                        accumulator=bytes_on_one_device(state.accum), compiled=compiled)

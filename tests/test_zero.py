@@ -1,0 +1,183 @@
+"""The optimizer state sharded over the devices (ZeRO-1): the same step, a fraction of the memory."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jdp
+from tests.helpers import batches, mlp_loss, mlp_loss_acc, mlp_params
+
+GLOBAL = 32
+TOL = 2e-6
+# The helpers' MLP has leaves of 192, 16, 256, 16, 80 and 5 elements: the biases of 5 split
+# evenly over none of 2, 4, 8 devices, so every run below pads.
+OPTIMIZERS = {
+    "sgd": jdp.OptimizerSpec(name="sgd", lr=0.3),
+    "momentum": jdp.OptimizerSpec(name="momentum", lr=0.1),
+    "adam": jdp.OptimizerSpec(name="adam", lr=1e-2),
+    # grad_norm runs 0.55-0.65 on these batches: clipping at 0.6 engages on some steps, not all.
+    "adamw_clip": jdp.OptimizerSpec(name="adamw", lr=1e-2, weight_decay=0.1, clip_norm=0.6),
+}
+
+
+def run(n, optimizer, steps=5, loss=mlp_loss, **options):
+    step = jdp.make_train_step(loss, optimizer, devices=jax.devices()[:n], **options)
+    state = step.init(mlp_params())
+    for batch in batches(steps * step.accum_steps, GLOBAL):
+        state, metrics = step(state, batch)
+    return step, state, metrics
+
+
+def assert_close(a, b, tol=TOL):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_sharded_equals_replicated_equals_one_device(name):
+    spec = OPTIMIZERS[name]
+    _, one, one_metrics = run(1, spec)
+    moved = max(float(np.abs(p - p0).max()) for p, p0 in zip(jax.tree.leaves(jdp.get_params(one)),
+                                                              jax.tree.leaves(mlp_params())))
+    assert moved > 1e3 * TOL  # the params moved far more than the tolerance
+    for n in (2, 4, 8):
+        _, replicated, _ = run(n, spec)
+        step, sharded, metrics = run(n, spec, shard_optimizer_state=True)
+        assert_close(jdp.get_params(sharded), jdp.get_params(one))
+        assert_close(jdp.get_params(sharded), jdp.get_params(replicated))
+        # the optimizer state, gathered back into the params' shapes, is the replicated one
+        assert_close(step.canonical(sharded).opt_state, jax.device_get(replicated.opt_state))
+        np.testing.assert_allclose(metrics["grad_norm"], one_metrics["grad_norm"], rtol=1e-6)
+
+
+@pytest.mark.parametrize("accum_sync,reduction,lr_correction", [
+    ("every", "mean", None), ("last", "mean", None), ("last", "sum", "exact"), ("every", "sum", "auto")])
+def test_accumulation_and_psum_variant(accum_sync, reduction, lr_correction):
+    spec = OPTIMIZERS["adamw_clip"] if lr_correction != "auto" else OPTIMIZERS["momentum"]
+    options = dict(accum_steps=2, accum_sync=accum_sync, reduction=reduction, lr_correction=lr_correction)
+    _, one, _ = run(1, spec, steps=3, **options)
+    step, sharded, _ = run(4, spec, steps=3, shard_optimizer_state=True, **options)
+    assert_close(jdp.get_params(sharded), jdp.get_params(one))
+    report = jdp.comm_report(step, sharded, batches(1, GLOBAL)[0])
+    scatters = report.of_kind("reduce-scatter")
+    # "last" keeps its local sums and scatters once per optimizer step, on the update call
+    assert [c.executions_per_update for c in scatters] == [2 if accum_sync == "every" else 1]
+
+
+def test_one_reduce_scatter_and_one_all_gather_replace_the_gradient_allreduce():
+    for n in (2, 4, 8):
+        step, state, _ = run(n, OPTIMIZERS["adam"], steps=1, shard_optimizer_state=True)
+        report = jdp.comm_report(step, state, batches(1, GLOBAL)[0])
+        padded = sum(n * -(-x.size // n) * 4 for x in jax.tree.leaves(mlp_params()))  # float32, N·ceil(s/N)
+        assert [c.bytes for c in report.of_kind("reduce-scatter")] == [padded]
+        assert [c.bytes for c in report.of_kind("all-gather")] == [padded]
+        assert all(c.bytes <= 64 for c in report.allreduces)  # loss, example count, norm: scalars only
+        assert report.gradient_allreduces_per_update == 0
+        replicated_step, replicated, _ = run(n, OPTIMIZERS["adam"], steps=1)
+        ring = jdp.comm_report(replicated_step, replicated, batches(1, GLOBAL)[0]).ring_bytes_per_device
+        # a ring all-reduce is a reduce-scatter plus an all-gather: the same traffic, up to padding
+        assert abs(report.ring_bytes_per_device - ring) <= 2 * (n - 1) / n * (padded - report.gradient_bytes) + 64
+
+
+def test_optimizer_state_bytes_per_device_are_one_nth():
+    full = None
+    for n in (1, 2, 4, 8):
+        step, state, _ = run(n, optax.adam(1e-3), steps=1, shard_optimizer_state=n > 1)
+        report = jdp.memory_report(step, state, batches(1, GLOBAL)[0])
+        if n == 1:
+            full = report.optimizer_state
+            continue
+        assert report.sharded and report.params == report.gradient and full == 2 * report.params + 4  # mu, nu, count
+        assert report.reduced_gradient < report.gradient / n * 1.1
+        assert full / n <= report.optimizer_state <= full / n * 1.05 + 8  # padding, and the step count
+        _, replicated, _ = run(n, optax.adam(1e-3), steps=1)
+        assert jdp.memory_report(step, replicated).optimizer_state == full
+
+
+def test_nonfinite_step_is_skipped_on_every_device():
+    nan_batch = dict(batches(1, GLOBAL)[0])
+    nan_batch["x"] = nan_batch["x"].copy()
+    nan_batch["x"][-1, 0] = np.nan  # only the last device sees it: its slice alone would not know
+    results = []
+    for shard in (False, True):
+        step = jdp.make_train_step(mlp_loss, OPTIMIZERS["adam"], devices=jax.devices()[:4], skip_nonfinite=True,
+                                   shard_optimizer_state=shard)
+        state = step.init(mlp_params())
+        state, _ = step(state, batches(1, GLOBAL)[0])
+        before = jdp.get_params(state)
+        state, metrics = step(state, nan_batch)
+        assert bool(metrics["skipped"]) and int(state.skipped) == 1
+        assert_close(jdp.get_params(state), before, tol=0)
+        state, _ = step(state, batches(2, GLOBAL)[1])
+        results.append(jdp.get_params(state))
+    assert_close(results[1], results[0])
+
+
+def test_model_state_mask_aux_and_mixed_precision():
+    def loss(params, stats, batch):
+        value, aux = mlp_loss_acc(params, batch)
+        return value, (aux, 0.9 * stats + 0.1 * jnp.mean(batch["x"]))
+
+    batch = dict(batches(1, GLOBAL)[0], mask=np.r_[np.ones(GLOBAL - 3), np.zeros(3)].astype(np.float32))
+    finals = []
+    for shard in (False, True):
+        step = jdp.make_train_step(loss, OPTIMIZERS["adam"], devices=jax.devices()[:4], has_state=True, has_aux=True,
+                                   precision="bf16", reduce_dtype="bf16", shard_optimizer_state=shard)
+        state = step.init(mlp_params(), np.float32(0.0))
+        for _ in range(3):
+            state, metrics = step(state, batch)
+        finals.append((jdp.get_params(state), state.model_state, metrics["aux"]["accuracy"]))
+    # bf16 rounds the same values at the same points in both layouts
+    assert_close(finals[1], finals[0], tol=1e-6)
+
+
+def test_resume_across_layouts_and_device_counts_is_exact():
+    spec, data = OPTIMIZERS["adamw_clip"], batches(5, GLOBAL)
+    one = jdp.make_train_step(mlp_loss, spec, devices=jax.devices()[:1])
+    state = one.init(mlp_params())
+    for b in data:
+        state, _ = one(state, b)
+    for first, second in (((8, True), (2, False)), ((2, False), (4, True))):
+        a = jdp.make_train_step(mlp_loss, spec, devices=jax.devices()[:first[0]], shard_optimizer_state=first[1])
+        s = a.init(mlp_params())
+        for b in data[:3]:
+            s, _ = a(s, b)
+        canonical = jax.device_get(a.canonical(s))  # what a checkpoint holds
+        b_step = jdp.make_train_step(mlp_loss, spec, devices=jax.devices()[:second[0]], shard_optimizer_state=second[1])
+        s = b_step.place(canonical, like=b_step.init(mlp_params()))
+        for b in data[3:]:
+            s, _ = b_step(s, b)
+        assert_close(jdp.get_params(s), jdp.get_params(state))
+
+
+def test_nnx_model_with_sharded_optimizer_state():
+    def make():
+        return nnx.Sequential(nnx.Linear(12, 16, rngs=nnx.Rngs(0)), nnx.relu, nnx.Linear(16, 5, rngs=nnx.Rngs(1)))
+
+    def loss_fn(model, batch):
+        return optax.softmax_cross_entropy_with_integer_labels(model(batch["x"]), batch["y"]).mean()
+
+    finals = []
+    for shard in (False, True):
+        step = jdp.nnx.make_train_step(make(), loss_fn, optax.adam(1e-2), devices=jax.devices()[:4],
+                                       shard_optimizer_state=shard)
+        state = step.init()
+        for b in batches(3, GLOBAL):
+            state, _ = step(state, b)
+        finals.append(jdp.get_params(state))
+    assert_close(finals[1], finals[0])
+
+
+def test_refusals_name_the_problem():
+    not_elementwise = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))
+    with pytest.raises(ValueError, match=r"optax\.clip_by_global_norm does not \(its update of a slice"):
+        jdp.make_train_step(mlp_loss, not_elementwise, shard_optimizer_state=True)
+    with pytest.raises(ValueError, match=r"shard_optimizer_state=True needs backend='shard_map' \(got 'pmap'\)"):
+        jdp.make_train_step(mlp_loss, optax.adam(1e-3), backend="pmap", shard_optimizer_state=True)
+    with pytest.raises(ValueError, match=r"shard_optimizer_state='yes' must be True or False"):
+        jdp.make_train_step(mlp_loss, optax.adam(1e-3), shard_optimizer_state="yes")
+    # jdp's own clipping sees the whole gradient, so a chain with it is accepted
+    jdp.make_train_step(mlp_loss, optax.chain(jdp.zero.clip_by_global_norm(1.0), optax.adam(1e-3)),
+                        shard_optimizer_state=True)
