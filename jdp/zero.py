@@ -17,6 +17,10 @@ The optimizer must update each element from its own gradient element (SGD, momen
 schedules, weight decay): `check_elementwise` proves it on probe values, or names the part that is
 not. Global-norm clipping is not elementwise; `clip_by_global_norm` computes the norm from the
 slices with one small all-reduce (what `OptimizerSpec(clip_norm=...)` builds when sharded).
+
+Padding slots hold zeros in the params, the gradient and the state, and are dropped by the
+all-gather and by `canonical`. One known difference: an optimizer that makes a zero gradient
+non-finite (Adam with ε = 0: 0/0) does so in the padding too, which `skip_nonfinite` then sees.
 """
 from __future__ import annotations
 

@@ -97,20 +97,24 @@ def test_optimizer_state_bytes_per_device_are_one_nth():
 
 
 def test_nonfinite_step_is_skipped_on_every_device():
-    nan_batch = dict(batches(1, GLOBAL)[0])
-    nan_batch["x"] = nan_batch["x"].copy()
-    nan_batch["x"][-1, 0] = np.nan  # only the last device sees it: its slice alone would not know
+    # The gradient of "gate" is the batch mean of "g": an inf in column 3 makes it inf in element 3
+    # only, which on 4 devices is device 3's slice alone. Every device must skip, not just that one.
+    def loss(params, batch):
+        return mlp_loss(params["mlp"], batch) + jnp.mean(batch["g"] @ params["gate"])
+
+    params = {"mlp": mlp_params(), "gate": np.zeros(4, np.float32)}
+    data = [dict(b, g=np.ones((GLOBAL, 4), np.float32)) for b in batches(3, GLOBAL)]
+    data[1]["g"][5, 3] = np.inf
     results = []
     for shard in (False, True):
-        step = jdp.make_train_step(mlp_loss, OPTIMIZERS["adam"], devices=jax.devices()[:4], skip_nonfinite=True,
+        step = jdp.make_train_step(loss, OPTIMIZERS["adam"], devices=jax.devices()[:4], skip_nonfinite=True,
                                    shard_optimizer_state=shard)
-        state = step.init(mlp_params())
-        state, _ = step(state, batches(1, GLOBAL)[0])
+        state, _ = step(step.init(params), data[0])
         before = jdp.get_params(state)
-        state, metrics = step(state, nan_batch)
+        state, metrics = step(state, data[1])
         assert bool(metrics["skipped"]) and int(state.skipped) == 1
         assert_close(jdp.get_params(state), before, tol=0)
-        state, _ = step(state, batches(2, GLOBAL)[1])
+        state, _ = step(state, data[2])
         results.append(jdp.get_params(state))
     assert_close(results[1], results[0])
 
