@@ -1,0 +1,115 @@
+"""Part "zero" of `python -m benchmarks.run`: the optimizer state sharded (ZeRO-1) vs replicated.
+
+Throughput: the benchmark MLP with Adam, replicated and sharded steps timed in interleaved windows
+on this process's devices. Memory: bytes per device of params, gradient and optimizer state for
+N = 1, 2, 4, 8, read from the states' shards (`jdp.memory_report`) in a fresh process with 8 fake
+CPU devices:
+
+  python -m benchmarks.zero memory      # prints one RESULT line (JSON)
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from benchmarks.common import GLOBAL_BATCH, interleave, mlp_batches, mlp_params, paired_ratio, param_count, summary
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MEMORY_DEVICES = (1, 2, 4, 8)
+
+
+def _loss(params, batch):
+    import jax.numpy as jnp
+    import optax
+
+    h = batch["x"]
+    for i, (w, b) in enumerate(params):
+        h = h @ w + b
+        if i < len(params) - 1:
+            h = jnp.maximum(h, 0)
+    return optax.softmax_cross_entropy_with_integer_labels(h, batch["y"]).mean()
+
+
+def bench_zero(sizes, steps: int, repeats: int, log=print) -> dict:
+    """Step time of the replicated and the sharded layout (Adam), interleaved, and their ratio."""
+    import jax
+    import optax
+
+    import jdp
+
+    runners, out = {}, {"mlp": list(sizes), "params": param_count(sizes), "devices": jax.device_count(),
+                        "global_batch": GLOBAL_BATCH}
+    for name, shard in (("replicated", False), ("sharded", True)):
+        step = jdp.make_train_step(_loss, optax.adam(1e-3), shard_optimizer_state=shard, grad_norm=False)
+        placed = [step.shard_batch(b) for b in mlp_batches(sizes, 2)]
+        box = [step.init(mlp_params(sizes))]
+        out[f"comm_{name}"] = str(jdp.comm_report(step, box[0], placed[0]))
+
+        def run(n, step=step, box=box, placed=placed):
+            import time
+            t0 = time.perf_counter()
+            for i in range(n):
+                box[0], _ = step(box[0], placed[i % 2])
+            jax.block_until_ready(box[0])
+            return time.perf_counter() - t0
+
+        run(2)  # compile and warm up
+        runners[name] = run
+    log(f"  part zero: replicated vs sharded optimizer state, {repeats} rounds of {steps} steps")
+    times = interleave(runners, steps, repeats, log=log)
+    for name, t in times.items():
+        out[name] = summary(t, GLOBAL_BATCH)
+    out["ratio_sharded_over_replicated"] = paired_ratio(times["sharded"], times["replicated"])
+    out["memory"] = memory_table(sizes, log)
+    return out
+
+
+def memory_table(sizes, log=print) -> dict:
+    """`memory_rows` for N = 1, 2, 4, 8 in a fresh process with 8 fake CPU devices."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES", "PJRT_NPROC")}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-m", "benchmarks.zero", "memory", ",".join(map(str, sizes))], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=600)
+    lines = [line for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+    if r.returncode or not lines:
+        return {"error": (r.stderr.strip().splitlines() or ["no output"])[-1]}
+    rows = json.loads(lines[-1][len("RESULT "):])
+    for row in rows:
+        log(f"    N={row['devices']} {row['layout']}: params {row['params']:,} B, gradient {row['gradient']:,} B, "
+            f"optimizer state {row['optimizer_state']:,} B per device")
+    return {"rows": rows, "formula": "bytes per device, Adam in float32, P params: replicated 16·P "
+            "(params 4, gradient 4, moments 8); optimizer state sharded (4 + 4 + 8/N)·P, plus padding"}
+
+
+def memory_rows(sizes) -> list[dict]:
+    """Bytes per device for Adam on the MLP `sizes`, replicated and sharded, N = 1, 2, 4, 8."""
+    import jax
+    import optax
+
+    import jdp
+
+    rows = []
+    for n in MEMORY_DEVICES:
+        for layout, shard in (("replicated", False), ("sharded", True)):
+            if shard and n == 1:
+                continue
+            step = jdp.make_train_step(_loss, optax.adam(1e-3), devices=jax.devices()[:n], shard_optimizer_state=shard)
+            state = step.init(mlp_params(sizes))
+            report = jdp.memory_report(step, state, mlp_batches(sizes, 1, global_batch=8 * n)[0])
+            rows.append({"devices": n, "layout": layout, "params": report.params, "gradient": report.gradient,
+                         "reduced_gradient": report.reduced_gradient, "optimizer_state": report.optimizer_state,
+                         "compiled": report.compiled,
+                         "bytes_per_param": (report.params + report.gradient + report.optimizer_state)
+                         / param_count(sizes)})
+    return rows
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] != ["memory"] or len(sys.argv) != 3:
+        sys.exit("usage: python -m benchmarks.zero memory 784,1024,1024,10")
+    import jdp.cpu
+
+    jdp.cpu.use_cpu_devices(8)
+    print("RESULT " + json.dumps(memory_rows(tuple(int(s) for s in sys.argv[2].split(",")))))
