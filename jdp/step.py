@@ -42,11 +42,7 @@ class TrainStep:
         self.multi_process = jax.process_count() > 1
         if self.multi_process and o.backend == "pmap":
             raise ValueError("multi-process runs need backend='shard_map'; pmap feeds process-local devices only.")
-        self.optimizer = for_reduction(optimizer, o.lr_correction, self.num_devices, o.shard_optimizer_state)
-        if o.shard_optimizer_state:
-            check_elementwise(self.optimizer)
-        if o.multi_steps:
-            self.optimizer = optax.MultiSteps(self.optimizer, every_k_schedule=o.accum_steps).gradient_transformation()
+        self.optimizer = step_optimizer(optimizer, o, self.num_devices)
         # accum_sync="last" sums per device; "every" (M > 1) sums reduced, replicated metrics.
         accum = "per_device" if o.local_accum else "replicated" if o.multi_steps else None
         self.layout = (ShardedStateLayout(self.mesh, accum, self.optimizer) if o.shard_optimizer_state
@@ -180,6 +176,15 @@ class TrainStep:
         self._check_state(state)
         batch = self.shard_batch(batch)
         return self._step.lower(self._sized(state, batch), batch)
+
+
+def step_optimizer(optimizer, o: StepOptions, n: int) -> optax.GradientTransformation:
+    """The transformation the step applies to the reduced gradient: `optimizer` with the psum
+    correction, checked elementwise if its state is sharded, in optax.MultiSteps for "every"."""
+    tx = for_reduction(optimizer, o.lr_correction, n, o.shard_optimizer_state)
+    if o.shard_optimizer_state:
+        check_elementwise(tx)
+    return optax.MultiSteps(tx, every_k_schedule=o.accum_steps).gradient_transformation() if o.multi_steps else tx
 
 
 def check_state(state, stacked: bool, backend: str) -> None:
