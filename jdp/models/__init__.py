@@ -1,7 +1,9 @@
 """Flax NNX models, and the bridge from an `nnx.Module` to jdp's `(params, loss_fn)` form.
 
 Models: `MLP`, `CNN` (BatchNorm; `sync_batchnorm=True` for global-batch statistics under
-shard_map/pmap), `GPT` (dropout keys passed at call time).
+shard_map/pmap), `GPT` (dropout keys passed at call time; `attention="fused"`, `remat=True`).
+Each takes `dtype=`, the compute dtype (`jdp.models.dtypes.compute_dtype`: None/float32 or
+bfloat16): params float32, compute in `dtype`, logits float32.
 
 Pure-function use. Split once, outside the step:
 

@@ -6,6 +6,11 @@ supplies the key. jdp splits and merges the module fresh inside each jitted step
 counter stored in the module would make the masks depend on host-side state; with the key
 passed in, a mask is a function of the key alone (jdp derives one per (seed, micro-step,
 device) with `jdp.state.device_key`).
+
+Options: `dtype` (compute dtype; params and logits stay float32), `attention="fused"` (causality
+from `jax.nn.dot_product_attention(..., is_causal=True)` instead of a materialised mask, same
+params) and `remat=True` (each block is recomputed in the backward pass instead of storing its
+activations: less memory, one more forward pass of the blocks).
 """
 from __future__ import annotations
 
@@ -13,7 +18,29 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jdp.models.dtypes import compute_dtype
+
 _EMBED_INIT = nnx.initializers.normal(stddev=0.02)
+ATTENTIONS = ("flax", "fused")
+
+
+def _fused_attention(query: jax.Array, key: jax.Array, value: jax.Array, bias=None, mask=None, *,
+                     dropout_rate: float = 0.0, dtype=None, module=None, **unused) -> jax.Array:
+    """Causal attention for `nnx.MultiHeadAttention(attention_fn=...)`: (batch, T, heads, head_dim) each → same.
+
+    `jax.nn.dot_product_attention(..., is_causal=True)` applies causality itself, so no
+    (batch, 1, T, T) mask is built or passed. With no `implementation=` given, jax 0.10 runs its
+    XLA implementation on every backend (cuDNN flash attention only with implementation="cudnn").
+    q/k/v are cast to the layer's compute `dtype`: that function needs one dtype for all three.
+    The other keywords MultiHeadAttention passes (dropout_rng, deterministic, precision, ...)
+    have no effect here: the GPT builds its attention with dropout_rate=0 and never sows weights.
+    """
+    del unused
+    if bias is not None or mask is not None or dropout_rate != 0.0 or module is not None:
+        raise ValueError("attention='fused' takes no bias, mask, attention dropout or sown weights.")
+    if dtype is not None:
+        query, key, value = (a.astype(dtype) for a in (query, key, value))
+    return jax.nn.dot_product_attention(query, key, value, is_causal=True)
 
 
 def _dropout_rngs(rngs: nnx.Rngs | jax.Array | None, train: bool, rate: float) -> nnx.Rngs | None:
@@ -30,27 +57,43 @@ def _dropout_rngs(rngs: nnx.Rngs | jax.Array | None, train: bool, rate: float) -
 class Block(nnx.Module):
     """Pre-LayerNorm transformer block: x + drop(attn(ln(x))), then x + drop(mlp(ln(x))).
 
-    (batch, T, d_model) → (batch, T, d_model); attention is causal (position t sees ≤ t).
+    (batch, T, d_model) → (batch, T, d_model) in the compute `dtype`; attention is causal
+    (position t sees ≤ t). `fused` swaps only the attention function: the params are the same.
     """
 
-    def __init__(self, d_model: int, n_heads: int, dropout: float, *, rngs: nnx.Rngs):
-        self.ln1 = nnx.LayerNorm(d_model, rngs=rngs)
+    def __init__(self, d_model: int, n_heads: int, dropout: float, *, dtype: jnp.dtype, fused: bool,
+                 rngs: nnx.Rngs):
+        kw = dict(dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+        self.ln1 = nnx.LayerNorm(d_model, **kw)
         # Attention-weight dropout off (dropout_rate=0.0), so the layer keeps no RNG stream;
         # dropout is applied to its output below, with the key given at call time.
+        extra = {"attention_fn": _fused_attention} if fused else {}
         self.attn = nnx.MultiHeadAttention(n_heads, d_model, dropout_rate=0.0, decode=False,
-                                           keep_rngs=False, rngs=rngs)
+                                           keep_rngs=False, **extra, **kw)
         self.drop1 = nnx.Dropout(dropout)
-        self.ln2 = nnx.LayerNorm(d_model, rngs=rngs)
-        self.fc = nnx.Linear(d_model, 4 * d_model, rngs=rngs)
-        self.proj = nnx.Linear(4 * d_model, d_model, rngs=rngs)
+        self.ln2 = nnx.LayerNorm(d_model, **kw)
+        self.fc = nnx.Linear(d_model, 4 * d_model, **kw)
+        self.proj = nnx.Linear(4 * d_model, d_model, **kw)
         self.drop2 = nnx.Dropout(dropout)
 
-    def __call__(self, x: jax.Array, mask: jax.Array, *, train: bool, rngs: nnx.Rngs | None) -> jax.Array:
-        """x (batch, T, d_model), mask (batch, 1, T, T) bool → (batch, T, d_model)."""
+    def __call__(self, x: jax.Array, mask: jax.Array | None, *, train: bool, rngs: nnx.Rngs | None) -> jax.Array:
+        """x (batch, T, d_model), mask (batch, 1, T, T) bool, or None for fused attention → (batch, T, d_model)."""
         h = self.attn(self.ln1(x), mask=mask, deterministic=True)
         x = x + self.drop1(h, deterministic=not train, rngs=rngs)
         h = self.proj(nnx.gelu(self.fc(self.ln2(x))))
         return x + self.drop2(h, deterministic=not train, rngs=rngs)
+
+
+def _block_forward(block: Block, x: jax.Array, mask: jax.Array | None, train: bool,
+                   rngs: nnx.Rngs | None) -> jax.Array:
+    """`block(x, mask, ...)` as a function of its arguments only, for `nnx.remat`."""
+    return block(x, mask, train=train, rngs=rngs)
+
+
+# jax.checkpoint lifted to NNX: the block (params) and the Rngs are arguments, so the dropout
+# keys drawn inside are the same ones a plain call draws and the Rngs' counter advances outside
+# too. `train` is static (a Python bool choosing code paths).
+_remat_block_forward = nnx.remat(_block_forward, static_argnums=(3,))
 
 
 class GPT(nnx.Module):
@@ -58,10 +101,16 @@ class GPT(nnx.Module):
 
     Input int32 tokens (batch, T) with T ≤ context; output float32 logits (batch, T, vocab_size),
     where position t depends only on tokens[:, :t + 1].
+
+    Params float32; compute in `dtype` (None: float32; jnp.bfloat16 / "bf16": bfloat16 matmuls,
+    embeddings and residual stream); logits float32. `attention`: "flax" (MultiHeadAttention with
+    a (batch, 1, T, T) causal mask) or "fused" (the same module and params, attention through
+    `jax.nn.dot_product_attention(is_causal=True)`). `remat=True` rematerialises every block.
     """
 
     def __init__(self, vocab_size: int, context: int, d_model: int = 64, n_heads: int = 4, n_layers: int = 2,
-                 dropout: float = 0.1, *, rngs: nnx.Rngs):
+                 dropout: float = 0.1, *, dtype=None, attention: str = "flax", remat: bool = False,
+                 rngs: nnx.Rngs):
         if min(vocab_size, context, d_model, n_heads, n_layers) < 1:
             raise ValueError(f"vocab_size={vocab_size}, context={context}, d_model={d_model}, n_heads={n_heads} "
                              f"and n_layers={n_layers} must all be positive.")
@@ -69,17 +118,23 @@ class GPT(nnx.Module):
             raise ValueError(f"d_model={d_model} must be divisible by n_heads={n_heads}.")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout={dropout} must be in [0, 1).")
+        if attention not in ATTENTIONS:
+            raise ValueError(f"attention={attention!r} is not one of {ATTENTIONS}.")
+        dtype = compute_dtype(dtype)
         self.context, self.dropout = int(context), float(dropout)
-        self.tok_embed = nnx.Embed(vocab_size, d_model, embedding_init=_EMBED_INIT, rngs=rngs)
-        self.pos_embed = nnx.Embed(context, d_model, embedding_init=_EMBED_INIT, rngs=rngs)
+        self.attention, self.remat = attention, bool(remat)
+        kw = dict(dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+        self.tok_embed = nnx.Embed(vocab_size, d_model, embedding_init=_EMBED_INIT, **kw)
+        self.pos_embed = nnx.Embed(context, d_model, embedding_init=_EMBED_INIT, **kw)
         self.drop = nnx.Dropout(dropout)
-        self.blocks = nnx.List([Block(d_model, n_heads, dropout, rngs=rngs) for _ in range(n_layers)])
-        self.ln_f = nnx.LayerNorm(d_model, rngs=rngs)
-        self.head = nnx.Linear(d_model, vocab_size, use_bias=False, rngs=rngs)
+        self.blocks = nnx.List([Block(d_model, n_heads, dropout, dtype=dtype, fused=attention == "fused", rngs=rngs)
+                                for _ in range(n_layers)])
+        self.ln_f = nnx.LayerNorm(d_model, **kw)
+        self.head = nnx.Linear(d_model, vocab_size, use_bias=False, **kw)
 
     def __call__(self, tokens: jax.Array, *, train: bool = True,
                  rngs: nnx.Rngs | jax.Array | None = None) -> jax.Array:
-        """int32 (batch, T) → (batch, T, vocab_size) logits.
+        """int32 (batch, T) → (batch, T, vocab_size) float32 logits.
 
         train=True applies dropout (embeddings, attention output, MLP output) with masks drawn
         from `rngs` (an `nnx.Rngs` with a "dropout" stream, or a bare key); it is required when
@@ -93,7 +148,9 @@ class GPT(nnx.Module):
         rngs = _dropout_rngs(rngs, train, self.dropout)
         x = self.tok_embed(tokens) + self.pos_embed(jnp.arange(t))
         x = self.drop(x, deterministic=not train, rngs=rngs)
-        mask = nnx.make_causal_mask(tokens)
+        # "fused" gets causality from is_causal, so no (T, T) mask is materialised for it.
+        mask = nnx.make_causal_mask(tokens) if self.attention == "flax" else None
+        forward = _remat_block_forward if self.remat else _block_forward
         for block in self.blocks:
-            x = block(x, mask, train=train, rngs=rngs)
-        return self.head(self.ln_f(x))
+            x = forward(block, x, mask, train, rngs)
+        return self.head(self.ln_f(x)).astype(jnp.float32)
