@@ -74,8 +74,12 @@ def test_bad_dtype_is_a_one_sentence_error_naming_it(value):
 
 
 def test_bad_attention_is_a_one_sentence_error_and_dtype_spellings_are_accepted():
-    with pytest.raises(ValueError, match=r"attention='flash' is not one of \('flax', 'fused'\)\.$"):
+    with pytest.raises(ValueError, match=r"attention='flash' is not one of \('flax', 'fused', 'cudnn'\)\.$"):
         make("gpt", attention="flash")
+    # cuDNN flash attention exists on GPUs only, in bf16: anywhere else, one sentence instead of a trace error
+    with pytest.raises(ValueError, match=r"attention='cudnn' \(cuDNN flash attention\) needs a GPU and dtype "
+                                         r"bfloat16; here jax runs on 'cpu' with dtype bfloat16: use 'fused'\.$"):
+        make("gpt", attention="cudnn", dtype="bf16")
     for value in (None, jnp.float32, "float32", "fp32", np.float32):
         assert compute_dtype(value) == jnp.float32
     for value in (jnp.bfloat16, "bfloat16", "bf16", jnp.dtype(jnp.bfloat16)):

@@ -14,6 +14,8 @@ activations: less memory, one more forward pass of the blocks).
 """
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -21,11 +23,12 @@ from flax import nnx
 from jdp.models.dtypes import compute_dtype
 
 _EMBED_INIT = nnx.initializers.normal(stddev=0.02)
-ATTENTIONS = ("flax", "fused")
+ATTENTIONS = ("flax", "fused", "cudnn")
 
 
 def _fused_attention(query: jax.Array, key: jax.Array, value: jax.Array, bias=None, mask=None, *,
-                     dropout_rate: float = 0.0, dtype=None, module=None, **unused) -> jax.Array:
+                     dropout_rate: float = 0.0, dtype=None, module=None, implementation=None,
+                     **unused) -> jax.Array:
     """Causal attention for `nnx.MultiHeadAttention(attention_fn=...)`: (batch, T, heads, head_dim) each → same.
 
     `jax.nn.dot_product_attention(..., is_causal=True)` applies causality itself, so no
@@ -40,7 +43,7 @@ def _fused_attention(query: jax.Array, key: jax.Array, value: jax.Array, bias=No
         raise ValueError("attention='fused' takes no bias, mask, attention dropout or sown weights.")
     if dtype is not None:
         query, key, value = (a.astype(dtype) for a in (query, key, value))
-    return jax.nn.dot_product_attention(query, key, value, is_causal=True)
+    return jax.nn.dot_product_attention(query, key, value, is_causal=True, implementation=implementation)
 
 
 def _dropout_rngs(rngs: nnx.Rngs | jax.Array | None, train: bool, rate: float) -> nnx.Rngs | None:
@@ -58,16 +61,17 @@ class Block(nnx.Module):
     """Pre-LayerNorm transformer block: x + drop(attn(ln(x))), then x + drop(mlp(ln(x))).
 
     (batch, T, d_model) → (batch, T, d_model) in the compute `dtype`; attention is causal
-    (position t sees ≤ t). `fused` swaps only the attention function: the params are the same.
+    (position t sees ≤ t). "fused"/"cudnn" swap only the attention function: the params are the same.
     """
 
-    def __init__(self, d_model: int, n_heads: int, dropout: float, *, dtype: jnp.dtype, fused: bool,
+    def __init__(self, d_model: int, n_heads: int, dropout: float, *, dtype: jnp.dtype, attention: str,
                  rngs: nnx.Rngs):
         kw = dict(dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
         self.ln1 = nnx.LayerNorm(d_model, **kw)
         # Attention-weight dropout off (dropout_rate=0.0), so the layer keeps no RNG stream;
         # dropout is applied to its output below, with the key given at call time.
-        extra = {"attention_fn": _fused_attention} if fused else {}
+        implementation = "cudnn" if attention == "cudnn" else None  # None: jax's XLA attention
+        extra = {} if attention == "flax" else {"attention_fn": partial(_fused_attention, implementation=implementation)}
         self.attn = nnx.MultiHeadAttention(n_heads, d_model, dropout_rate=0.0, decode=False,
                                            keep_rngs=False, **extra, **kw)
         self.drop1 = nnx.Dropout(dropout)
@@ -104,8 +108,10 @@ class GPT(nnx.Module):
 
     Params float32; compute in `dtype` (None: float32; jnp.bfloat16 / "bf16": bfloat16 matmuls,
     embeddings and residual stream); logits float32. `attention`: "flax" (MultiHeadAttention with
-    a (batch, 1, T, T) causal mask) or "fused" (the same module and params, attention through
-    `jax.nn.dot_product_attention(is_causal=True)`). `remat=True` rematerialises every block.
+    a (batch, 1, T, T) causal mask), "fused" (the same module and params, attention through
+    `jax.nn.dot_product_attention(is_causal=True)`, which in jax 0.10 runs XLA's implementation on
+    every backend) or "cudnn" (the same call with implementation="cudnn": cuDNN flash attention,
+    GPUs and bfloat16 only). `remat=True` rematerialises every block.
     """
 
     def __init__(self, vocab_size: int, context: int, d_model: int = 64, n_heads: int = 4, n_layers: int = 2,
@@ -121,13 +127,16 @@ class GPT(nnx.Module):
         if attention not in ATTENTIONS:
             raise ValueError(f"attention={attention!r} is not one of {ATTENTIONS}.")
         dtype = compute_dtype(dtype)
+        if attention == "cudnn" and (jax.default_backend() != "gpu" or dtype != jnp.bfloat16):
+            raise ValueError(f"attention='cudnn' (cuDNN flash attention) needs a GPU and dtype bfloat16; here jax "
+                             f"runs on {jax.default_backend()!r} with dtype {jnp.dtype(dtype).name}: use 'fused'.")
         self.context, self.dropout = int(context), float(dropout)
         self.attention, self.remat = attention, bool(remat)
         kw = dict(dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
         self.tok_embed = nnx.Embed(vocab_size, d_model, embedding_init=_EMBED_INIT, **kw)
         self.pos_embed = nnx.Embed(context, d_model, embedding_init=_EMBED_INIT, **kw)
         self.drop = nnx.Dropout(dropout)
-        self.blocks = nnx.List([Block(d_model, n_heads, dropout, dtype=dtype, fused=attention == "fused", rngs=rngs)
+        self.blocks = nnx.List([Block(d_model, n_heads, dropout, dtype=dtype, attention=attention, rngs=rngs)
                                 for _ in range(n_layers)])
         self.ln_f = nnx.LayerNorm(d_model, **kw)
         self.head = nnx.Linear(d_model, vocab_size, use_bias=False, **kw)
@@ -148,7 +157,7 @@ class GPT(nnx.Module):
         rngs = _dropout_rngs(rngs, train, self.dropout)
         x = self.tok_embed(tokens) + self.pos_embed(jnp.arange(t))
         x = self.drop(x, deterministic=not train, rngs=rngs)
-        # "fused" gets causality from is_causal, so no (T, T) mask is materialised for it.
+        # "fused"/"cudnn" get causality from is_causal, so no (T, T) mask is materialised for them.
         mask = nnx.make_causal_mask(tokens) if self.attention == "flax" else None
         forward = _remat_block_forward if self.remat else _block_forward
         for block in self.blocks:
