@@ -121,6 +121,10 @@ MUTANTS = [
            "        check_elementwise(tx)\n",
            "        pass\n",
            ("tests/test_zero.py::test_refusals_name_the_problem",)),
+    Mutant("zero_padding_decides_skip", "zero.py",
+           "jax.tree.map(real, params, chunks, struct)",
+           "params",  # the padding's 0/0 of an eps=0 Adam counts as a non-finite step
+           ("tests/test_zero.py::test_padding_never_decides_a_skip",)),
     Mutant("donated_state_not_checked", "step.py",
            "isinstance(state.step, jax.Array) and state.step.is_deleted()",
            "False",

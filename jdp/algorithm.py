@@ -144,9 +144,11 @@ def unless_nonfinite(step_grads, old_params, old_opt_state, params, opt_state, o
     decision on every device (with the optimizer state sharded, each device sees only its slice).
     Finite gradients can still make them non-finite, e.g. an Adam ε of 0 or a second moment that
     overflows."""
+    # Padding (sharded layout) is not checked: a zero gradient there is not the step's.
+    real_grads, real_params, real_state = layout.without_padding(step_grads, params, opt_state)
     # MultiSteps' running sum may hold a NaN until the update: its inner state is what counts.
-    inner = opt_state.inner_opt_state if o.multi_steps else opt_state
-    checked = [x for x in jax.tree.leaves((step_grads, params, inner)) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    inner = real_state.inner_opt_state if o.multi_steps else real_state
+    checked = [x for x in jax.tree.leaves((real_grads, real_params, inner)) if jnp.issubdtype(x.dtype, jnp.inexact)]
     finite = layout.everywhere(jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in checked])))
     keep = lambda new, old: jax.tree.map(lambda n, p: jnp.where(finite, n, p), new, old)  # noqa: E731
     if o.multi_steps:

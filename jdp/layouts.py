@@ -70,6 +70,10 @@ class ShardMapLayout:
         """A replicated bool is already the same on every device."""
         return flag
 
+    def without_padding(self, grads, params, opt_state):
+        """The step's values with any padding the layout added zeroed (none here)."""
+        return grads, params, opt_state
+
     def global_norm(self, grads):
         """The whole gradient's L2 norm, in float32 (squaring fp16 overflows long before the values do)."""
         return optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), grads))

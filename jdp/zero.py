@@ -18,9 +18,8 @@ schedules, weight decay): `check_elementwise` proves it on probe values, or name
 not. Global-norm clipping is not elementwise; `clip_by_global_norm` computes the norm from the
 slices with one small all-reduce (what `OptimizerSpec(clip_norm=...)` builds when sharded).
 
-Padding slots hold zeros in the params, the gradient and the state, and are dropped by the
-all-gather and by `canonical`. One known difference: an optimizer that makes a zero gradient
-non-finite (Adam with ε = 0: 0/0) does so in the padding too, which `skip_nonfinite` then sees.
+Padding slots hold zeros in the params, the gradient and the state; the all-gather and `canonical`
+drop them, and `skip_nonfinite` does not look at them (Adam with ε = 0 makes 0/0 there).
 """
 from __future__ import annotations
 
@@ -103,6 +102,11 @@ class Slices:
                 out[i] = block.reshape(-1)[:int(np.prod(leaf.shape, dtype=np.int64))].reshape(leaf.shape)
         return self.treedef.unflatten(out)
 
+    def real(self, x, c: int, leaf):
+        """This device's (c,) slice `x` of `leaf` with its padding slots zeroed (inside the mapped step)."""
+        index = lax.axis_index(DATA_AXIS) * c + jnp.arange(c)
+        return jnp.where(index < int(np.prod(leaf.shape, dtype=np.int64)), x, jnp.zeros_like(x))
+
     def chunk_tree(self):
         return self.treedef.unflatten(self.chunks)
 
@@ -170,6 +174,13 @@ class ShardedStateLayout(ShardMapLayout):
 
     def global_norm(self, grads):
         return jnp.sqrt(squared_norm_everywhere(grads))
+
+    def without_padding(self, grads, params, opt_state):
+        """Padding slots zeroed: an optimizer may turn their zero gradient into a NaN (Adam with
+        ε = 0: 0/0) that no element of the replicated step has."""
+        chunks, struct, real = self.slices.chunk_tree(), self.slices.struct, self.slices.real
+        return (jax.tree.map(real, grads, chunks, struct), jax.tree.map(real, params, chunks, struct),
+                optax.tree_map_params(self.optimizer, real, opt_state, chunks, struct))
 
     def spread(self, state: TrainState) -> TrainState:
         """The canonical optimizer state, each param-shaped leaf flattened and padded (inside jit)."""

@@ -185,3 +185,13 @@ def test_refusals_name_the_problem():
     # jdp's own clipping sees the whole gradient, so a chain with it is accepted
     jdp.make_train_step(mlp_loss, optax.chain(jdp.zero.clip_by_global_norm(1.0), optax.adam(1e-3)),
                         shard_optimizer_state=True)
+
+
+def test_padding_never_decides_a_skip():
+    # Adam with eps=0 turns a zero gradient into 0/0 = NaN. The real gradients here are never 0,
+    # but the padding slots' are: the sharded step must not skip for them.
+    spec = optax.adam(1e-2, eps=0.0)
+    _, replicated, _ = run(4, spec, steps=3, skip_nonfinite=True)
+    _, sharded, _ = run(4, spec, steps=3, skip_nonfinite=True, shard_optimizer_state=True)
+    assert int(replicated.skipped) == int(sharded.skipped) == 0
+    assert_close(jdp.get_params(sharded), jdp.get_params(replicated))
