@@ -41,13 +41,15 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--workdir", help="run directory (default: runs/<config name>)")
     train.add_argument("--devices", type=_positive_int, help="number of devices; on a CPU-only machine, fake CPU "
                        "devices (default: the config's parallel.devices, else 4 on CPU, all accelerators otherwise)")
-    train.add_argument("--steps", type=_positive_int, help="total optimizer steps (train.steps)")
+    train.add_argument("--steps", type=_positive_int, help="total optimizer steps (train.steps); also lets a config "
+                       "with train.accelerator_only run on CPUs")
     train.add_argument("--log-every", type=_positive_int, help="log every K steps (train.log_every)")
     train.add_argument("--checkpoint-every", type=_positive_int, help="checkpoint every K steps (train.checkpoint_every)")
     train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config value, e.g. --set optim.lr=3e-4 --set data.batch_size=512")
     train.add_argument("--stop-after", type=_positive_int, metavar="N",
-                       help="stop (with a checkpoint) after N optimizer steps of this invocation; rerun to continue")
+                       help="stop (with a checkpoint) after N optimizer steps of this invocation; rerun to continue "
+                       "(also lets a config with train.accelerator_only run N steps on CPUs)")
     train.add_argument("--no-progress", action="store_true", help="log lines instead of a progress bar")
     train.add_argument("--tensorboard", action="store_true",
                        help="also write the logged scalars to DIR/tensorboard (needs tensorboardX)")
@@ -98,6 +100,19 @@ def _devices(requested: int | None):
     return devices[:requested] if requested else devices
 
 
+def _cpu_asked_for(args, config, devices) -> bool:
+    """Whether this command asks for a number of steps (--steps, --stop-after): that lets a config
+    meant for accelerators (train.accelerator_only) train on CPUs. Without it, such a config on
+    CPUs is refused here, in one sentence that says how to run it anyway."""
+    from jdp.train import meant_for_accelerators
+
+    asked = args.steps is not None or args.stop_after is not None
+    if meant_for_accelerators(config, devices) and not asked:
+        raise ValueError(f"{args.config or 'the config'} is meant for accelerators (GPU/TPU) and jax sees only CPUs "
+                         f"here; pass --stop-after N (or --steps N) to run N steps on the CPU anyway.")
+    return asked
+
+
 def cmd_train(args) -> int:
     import os
 
@@ -131,11 +146,13 @@ def cmd_train(args) -> int:
     from jdp.checkpoint import NonFiniteStateError
     from jdp.train import NonFiniteError, train
 
+    allow_cpu = _cpu_asked_for(args, config, devices)
+
     name = os.path.splitext(os.path.basename(args.config))[0] if args.config else "digits_mlp"
     workdir = args.workdir or os.path.join("runs", name)
     try:
         result = train(config, workdir, devices=devices, progress=not args.no_progress, stop_after=args.stop_after,
-                       tensorboard=args.tensorboard, fallback_to_intact=args.fallback_to_intact)
+                       tensorboard=args.tensorboard, fallback_to_intact=args.fallback_to_intact, allow_cpu=allow_cpu)
     except (NonFiniteError, NonFiniteStateError) as e:
         print(f"jdp: {e}", file=sys.stderr)
         return 1

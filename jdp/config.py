@@ -1,7 +1,8 @@
 """`jdp train`'s configuration: typed, validated values, read from YAML and `section.key=value` overrides.
 
 A config has five sections, each a frozen dataclass with a docstring per field: `model`, `data`,
-`optim`, `parallel`, `train`. `Config()` is the default run (an MLP on scikit-learn's digits).
+`optim`, `parallel`, `train` (defined in `jdp.config_sections`, importable from here). `Config()`
+is the default run (an MLP on scikit-learn's digits).
 
 Checks happen in three places, each failing with a `ConfigError`: one sentence that names the
 dotted key and what it accepts.
@@ -25,170 +26,25 @@ import json
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar
+from typing import Any
 
+from jdp.config_sections import (ATTENTIONS, DATASETS, MODEL_DATA, MODELS, SECTIONS, DataConfig, ModelConfig,
+                                 OptimConfig, ParallelConfig, TrainConfig, step_option_key)
 from jdp.data import DIGITS_EXAMPLES, SEED_REGRESSIONS, held_out_count
-from jdp.optim import OPTIMIZERS, SCHEDULES, OptimizerSpec
-from jdp.options import ACCUM_SYNCS, BACKENDS, LR_CORRECTIONS, REDUCTIONS, OptionError, StepOptions
-from jdp.sections import (BOOL, COUNT, FRACTION, NON_NEGATIVE, NPZ, POSITIVE, POSITIVE_INT, SEED, TWO_WIDTHS, UNIT,
-                          WIDTHS, ConfigError, Rule, Section, field_docs, one_of, or_null, parse_override, quoted,
-                          read_yaml, shorten)
+from jdp.optim import OptimizerSpec
+from jdp.options import OptionError, StepOptions
+from jdp.sections import ConfigError, field_docs, parse_override, quoted, read_yaml, shorten
 
-MODELS = ("mlp", "cnn", "gpt", "linear")
-DATASETS = ("digits", "chars", "seed_linear", "arrays")
-# The datasets each model can train on (the model's input and loss must fit the arrays).
-MODEL_DATA = {"mlp": ("digits", "arrays"), "cnn": ("digits", "arrays"), "gpt": ("chars",),
-              "linear": ("seed_linear", "arrays")}
 # Fields left out of `config_hash`: they may change between runs of the same training (so may
 # train.steps where the schedule does not use it: `run_identity`).
 HASH_EXCLUDED = ("data.eval_batch_size", "parallel.devices", "train.log_every", "train.eval_every",
                  "train.checkpoint_every", "train.keep_checkpoints", "train.max_nonfinite")
-
-
-@dataclass(frozen=True)
-class ModelConfig(Section):
-    """The network. Each model reads only its own fields; the others keep their defaults."""
-
-    name: str = "mlp"
-    """One of "mlp", "cnn", "gpt", "linear" (y = w·x, for the seed regressions and user arrays)."""
-    hidden: tuple[int, ...] = (128,)
-    """mlp: the hidden layer widths, input to output (the input and class counts come from the data)."""
-    channels: tuple[int, ...] = (16, 32)
-    """cnn: the widths of its two 3×3 convolutions."""
-    sync_batchnorm: bool = False
-    """cnn: BatchNorm statistics over the global batch (SyncBatchNorm) instead of each device's shard."""
-    d_model: int = 64
-    """gpt: the embedding width; divisible by n_heads."""
-    n_heads: int = 4
-    """gpt: attention heads per layer."""
-    n_layers: int = 2
-    """gpt: transformer blocks."""
-    dropout: float = 0.1
-    """gpt: dropout rate in [0, 1); keys differ per device and micro-step."""
-    context: int = 64
-    """gpt: tokens per training window (and the longest sequence the model accepts)."""
-
-    _section: ClassVar[str] = "model"
-    _rules: ClassVar[dict[str, Rule]] = dict(
-        name=one_of(MODELS), hidden=WIDTHS, channels=TWO_WIDTHS, sync_batchnorm=BOOL, d_model=POSITIVE_INT,
-        n_heads=POSITIVE_INT, n_layers=POSITIVE_INT, dropout=UNIT, context=POSITIVE_INT)
-
-
-@dataclass(frozen=True)
-class DataConfig(Section):
-    """The dataset and how it is batched."""
-
-    name: str = "digits"
-    """One of "digits" (scikit-learn's 8×8 digits), "chars" (a character corpus, for gpt),
-    "seed_linear" (the seed regressions y = w·x, `jdp.data.SEED_REGRESSIONS`), "arrays" (your own .npz)."""
-    path: str | None = None
-    """arrays: a .npz file holding arrays "x" and "y" (relative to the working directory)."""
-    seed_example: int = 2
-    """seed_linear: which seed regression, 1 (one weight, 4 examples) or 2 (two weights, 8 examples)."""
-    batch_size: int = 128
-    """The GLOBAL batch of one optimizer step: all devices and all micro-batches together."""
-    eval_batch_size: int = 256
-    """Examples per evaluation batch."""
-    drop_last: bool = True
-    """Skip each epoch's last, incomplete batch; false pads it and masks the padding out."""
-    test_fraction: float = 0.2
-    """digits: the fraction held out to measure test accuracy, strictly between 0 and 1."""
-
-    _section: ClassVar[str] = "data"
-    _rules: ClassVar[dict[str, Rule]] = dict(
-        name=one_of(DATASETS), path=or_null(NPZ), seed_example=Rule(" or ".join(map(str, SEED_REGRESSIONS)), lambda v: v in SEED_REGRESSIONS),
-        batch_size=POSITIVE_INT, eval_batch_size=POSITIVE_INT, drop_last=BOOL, test_fraction=FRACTION)
-
-
-@dataclass(frozen=True)
-class OptimConfig(Section):
-    """The optimizer and its learning-rate schedule (turned into a `jdp.OptimizerSpec`, schedule included)."""
-
-    name: str = "adam"
-    """One of "sgd", "momentum", "adam", "adamw"."""
-    lr: float = 3e-3
-    """The peak learning rate (before linear scaling, if that is on)."""
-    momentum: float = 0.9
-    """momentum: the heavy-ball coefficient, in [0, 1)."""
-    b1: float = 0.9
-    """adam/adamw: first-moment decay, in [0, 1)."""
-    b2: float = 0.999
-    """adam/adamw: second-moment decay, in [0, 1)."""
-    eps: float = 1e-8
-    """adam/adamw: added to sqrt(v); positive."""
-    weight_decay: float = 0.0
-    """adamw only: decoupled weight decay (multiplied by the scheduled lr)."""
-    clip_norm: float | None = None
-    """Clip the gradient's global norm to this before the optimizer; null turns clipping off."""
-    schedule: str = "constant"
-    """After warmup: "constant", "cosine" or "linear" (both decay to 0 at train.steps)."""
-    warmup_steps: int = 0
-    """Optimizer steps of linear warmup from 0 to lr; 0 starts at lr."""
-    linear_scaling: bool = False
-    """Opt-in linear scaling rule (Goyal et al., 2017): lr × data.batch_size / base_batch_size. It
-    compensates for fewer steps per epoch at a larger batch; it is not the gradient averaging
-    that makes N devices equal one."""
-    base_batch_size: int = 256
-    """linear_scaling: the batch size at which lr was tuned."""
-
-    _section: ClassVar[str] = "optim"
-    _rules: ClassVar[dict[str, Rule]] = dict(
-        name=one_of(OPTIMIZERS), lr=POSITIVE, momentum=UNIT, b1=UNIT, b2=UNIT, eps=POSITIVE,
-        weight_decay=NON_NEGATIVE, clip_norm=or_null(POSITIVE), schedule=one_of(SCHEDULES),
-        warmup_steps=COUNT, linear_scaling=BOOL, base_batch_size=POSITIVE_INT)
-
-
-@dataclass(frozen=True)
-class ParallelConfig(Section):
-    """How the step is spread over devices (the arguments of `jdp.make_train_step`)."""
-
-    backend: str = "shard_map"
-    """"shard_map" (jit over a 1-D mesh) or "pmap"."""
-    devices: int | None = None
-    """Devices to use; null: all of them (on a CPU-only machine, 4 fake CPU devices)."""
-    reduction: str = "mean"
-    """"mean" (pmean: the global-batch gradient) or "sum" (psum: N times it)."""
-    lr_correction: str | None = None
-    """reduction "sum" only: null or "auto" (lr/N), "none" (raw sum), "exact" (the spec's scale-
-    dependent hyperparameters, `jdp.exact_sum_spec`). With "mean": null or "none"."""
-    accum_steps: int = 1
-    """Micro-batches per optimizer step (gradient accumulation)."""
-    accum_sync: str = "every"
-    """accum_steps > 1: all-reduce on "every" micro-batch, or once, on the "last"."""
-
-    _section: ClassVar[str] = "parallel"
-    _rules: ClassVar[dict[str, Rule]] = dict(
-        backend=one_of(BACKENDS), devices=or_null(POSITIVE_INT), reduction=one_of(REDUCTIONS),
-        lr_correction=or_null(one_of(LR_CORRECTIONS)), accum_steps=POSITIVE_INT, accum_sync=one_of(ACCUM_SYNCS))
-
-
-@dataclass(frozen=True)
-class TrainConfig(Section):
-    """The loop: length, cadence of logs, evaluations and checkpoints, and the seed."""
-
-    steps: int = 300
-    """Optimizer steps (each consumes data.batch_size examples); schedules count these."""
-    log_every: int = 50
-    """Log every this many optimizer steps (and at the last)."""
-    eval_every: int = 0
-    """Evaluate every this many optimizer steps; 0: only at the end."""
-    checkpoint_every: int = 0
-    """Checkpoint every this many optimizer steps; 0: only at the end."""
-    keep_checkpoints: int = 3
-    """The most recent checkpoints kept on disk."""
-    max_nonfinite: int = 3
-    """Skip updates with NaN/Inf gradients, stopping after this many in a row; 0: never skip."""
-    seed: int = 0
-    """Seeds the params' initialisation, the data order and the dropout keys."""
-
-    _section: ClassVar[str] = "train"
-    _rules: ClassVar[dict[str, Rule]] = dict(
-        steps=POSITIVE_INT, log_every=POSITIVE_INT, eval_every=COUNT, checkpoint_every=COUNT,
-        keep_checkpoints=POSITIVE_INT, max_nonfinite=COUNT, seed=SEED)
-
-
-SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig,
-                             "parallel": ParallelConfig, "train": TrainConfig}
+# Fields that say where a run may start, not what it trains: left out of `run_identity` as well.
+PLACEMENT_ONLY = ("train.accelerator_only",)
+# Identity fields added after checkpoints already existed, with the value every earlier run had:
+# a checkpoint whose identity lacks one resumes when the config keeps that value.
+ADDED_DEFAULTS = {"model.attention": "flax", "model.remat": False, "parallel.reduce_dtype": None,
+                  "train.precision": "float32"}
 
 
 @dataclass(frozen=True)
@@ -325,6 +181,12 @@ def validate(config: Config, num_devices: int | None) -> Config:
     if m.sync_batchnorm and m.name != "cnn":
         raise ConfigError(f"model.sync_batchnorm=true needs model.name='cnn' (the model with BatchNorm), "
                           f"got {m.name!r}.")
+    if m.name != "gpt" and (m.attention != "flax" or m.remat):
+        key = f"model.attention={m.attention!r}" if m.attention != "flax" else "model.remat=true"
+        raise ConfigError(f"{key} applies to the transformer only and needs model.name='gpt', got {m.name!r}.")
+    if m.attention == "cudnn" and config.train.precision != "bfloat16":  # (the model checks for a GPU itself)
+        raise ConfigError(f"model.attention='cudnn' (cuDNN flash attention) computes in bfloat16 and needs "
+                          f"train.precision='bfloat16', got {config.train.precision!r}.")
     if m.name == "gpt" and m.d_model % m.n_heads:
         raise ConfigError(f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}.")
 
@@ -358,9 +220,10 @@ def _check_step_and_optimizer(config: Config) -> None:
     p = config.parallel
     try:
         StepOptions(backend=p.backend, reduction=p.reduction, lr_correction=p.lr_correction,
-                              accum_steps=p.accum_steps, accum_sync=p.accum_sync)
+                    accum_steps=p.accum_steps, accum_sync=p.accum_sync, precision=config.train.precision,
+                    reduce_dtype=p.reduce_dtype)
     except OptionError as e:
-        raise ConfigError(f"parallel.{e.field}: {e}") from None
+        raise ConfigError(f"{step_option_key(e.field)}: {e}") from None
     try:
         config.optimizer_spec()
     except OptionError as e:  # the spec's decay_steps is train.steps
@@ -380,12 +243,15 @@ def run_identity(config: Config) -> dict[str, dict[str, Any]]:
     (HASH_EXCLUDED): train.log_every, eval_every, checkpoint_every, keep_checkpoints and
     data.eval_batch_size (what is logged, evaluated or saved when, not what is trained), and
     parallel.devices (the device count may change between runs: the step's result does not depend
-    on it). train.steps counts only where the schedule uses it (`schedule_uses_steps`): otherwise
-    the first S steps of a longer run are those of an S-step run, so more steps extend a run.
-    Everything else counts.
+    on it), and train.accelerator_only (PLACEMENT_ONLY: where a run may start, not what it trains).
+    train.steps counts only where the schedule uses it (`schedule_uses_steps`): otherwise the
+    first S steps of a longer run are those of an S-step run, so more steps extend a run.
+    Everything else counts, train.precision, parallel.reduce_dtype, model.attention and
+    model.remat included: a resumed run cannot change the arithmetic it trains with
+    (`ADDED_DEFAULTS` lets checkpoints written before those fields existed resume).
     """
     d = config.to_dict()
-    for dotted in HASH_EXCLUDED:
+    for dotted in (*HASH_EXCLUDED, *PLACEMENT_ONLY):
         section, key = dotted.split(".")
         del d[section][key]
     if not schedule_uses_steps(config):
@@ -399,6 +265,7 @@ def config_hash(config: Config) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-__all__ = ["Config", "ConfigError", "DataConfig", "HASH_EXCLUDED", "ModelConfig", "OptimConfig", "ParallelConfig",
-           "SECTIONS", "TrainConfig", "apply_overrides", "config_from_dict", "config_hash", "field_docs",
+__all__ = ["ADDED_DEFAULTS", "ATTENTIONS", "Config", "ConfigError", "DATASETS", "DataConfig", "HASH_EXCLUDED",
+           "MODELS", "MODEL_DATA", "ModelConfig", "OptimConfig", "PLACEMENT_ONLY", "ParallelConfig", "SECTIONS",
+           "TrainConfig", "apply_overrides", "config_from_dict", "config_hash", "field_docs",
            "load_config", "run_identity", "schedule_uses_steps", "validate"]

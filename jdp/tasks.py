@@ -13,6 +13,7 @@ from flax import nnx
 from jdp import data as D
 from jdp.data import MASK_KEY, ArrayDataset
 from jdp.models import CNN, GPT, MLP, functional
+from jdp.precision import DTYPES
 from jdp.sections import quoted, shorten
 
 
@@ -143,10 +144,21 @@ def _check_float32(where: str, name: str, a: np.ndarray) -> None:
                          f"which jdp casts it to; rescale it.")
 
 
+def compute_dtype(config):
+    """The `dtype=` jdp's models are built with for train.precision: None for float32 (the models'
+    own default, so float32 runs stay bit for bit what they were), jnp.bfloat16 for bfloat16."""
+    return None if config.train.precision == "float32" else DTYPES[config.train.precision]
+
+
 def build_task(config) -> Task:
-    """The task a `jdp.config.Config` describes (model × dataset), initialised from train.seed."""
+    """The task a `jdp.config.Config` describes (model × dataset), initialised from train.seed.
+
+    The models compute in train.precision's dtype (`compute_dtype`; params stay float32, logits
+    float32), in training and in evaluation alike; the gpt takes model.attention and model.remat.
+    The linear regression has no model: the step's cast of params and inputs sets its dtype.
+    """
     m, d = config.model, config.data
-    rngs = nnx.Rngs(config.train.seed)
+    rngs, dtype = nnx.Rngs(config.train.seed), compute_dtype(config)
     if d.name == "seed_linear":
         ds = D.load_seed_regression(d.seed_example)
         return _regression(D.SEED_REGRESSIONS[d.seed_example].w0, f"linear regression, seed example "
@@ -156,7 +168,7 @@ def build_task(config) -> Task:
         train = D.char_windows(corpus.train, m.context, stride=m.context // 2)
         test = D.char_windows(corpus.val, m.context, stride=m.context)
         model = GPT(corpus.vocab_size, m.context, d_model=m.d_model, n_heads=m.n_heads, n_layers=m.n_layers,
-                    dropout=m.dropout, rngs=rngs)
+                    dropout=m.dropout, dtype=dtype, attention=m.attention, remat=m.remat, rngs=rngs)
         return _language_model(functional(model), f"char GPT ({corpus.vocab_size} symbols)", train, test)
     if d.name == "digits":
         x, y, xt, yt = D.load_digits(d.test_fraction, images=m.name == "cnn")
@@ -177,8 +189,8 @@ def build_task(config) -> Task:
                                test and ArrayDataset({"x": test.arrays["x"], "t": test.arrays["y"].astype(np.float32)}))
     n_classes = int(max(train.arrays["y"].max(), test.arrays["y"].max() if test else 0)) + 1
     if m.name == "cnn":
-        model = CNN(n_classes, tuple(m.channels), sync_batchnorm=m.sync_batchnorm, rngs=rngs)
+        model = CNN(n_classes, tuple(m.channels), sync_batchnorm=m.sync_batchnorm, dtype=dtype, rngs=rngs)
     else:
         in_dim = int(np.prod(train.arrays["x"].shape[1:]))
-        model = MLP([in_dim, *m.hidden, n_classes], rngs=rngs)
+        model = MLP([in_dim, *m.hidden, n_classes], dtype=dtype, rngs=rngs)
     return _classifier(functional(model), f"{m.name} on {d.name} ({n_classes} classes)", train, test)

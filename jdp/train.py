@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import jax
 
 from jdp.checkpoint import CheckpointMismatchError, Checkpointer, with_data_digest
-from jdp.config import Config, config_hash, run_identity, schedule_uses_steps, validate
+from jdp.config import ADDED_DEFAULTS, Config, config_hash, run_identity, schedule_uses_steps, validate
 from jdp.data import make_batches
 from jdp.distributed import agree, any_process
 from jdp.evaluate import evaluate, make_eval_step
@@ -19,8 +19,9 @@ from jdp.metrics import MetricsWriter, load_metrics, peak_flops, plot_metrics, s
 from jdp.step import get_params, make_train_step
 from jdp.tasks import Task, build_task
 
-__all__ = ["NonFiniteError", "StopSignals", "TrainResult", "itstime", "load_metrics", "plot_metrics", "step_params",
-           "train"]  # load_metrics, plot_metrics: jdp.metrics's, kept importable from here
+# load_metrics, plot_metrics: jdp.metrics's, kept importable from here
+__all__ = ["NonFiniteError", "StopSignals", "TrainResult", "itstime", "load_metrics", "meant_for_accelerators",
+           "plot_metrics", "step_params", "train"]
 
 
 @dataclass(frozen=True)
@@ -74,11 +75,16 @@ def itstime(step: int, every: int, total: int) -> bool:
 
 def train(config: Config, workdir: str, *, devices=None, log=print, progress: bool = True,
           stop_after: int | None = None, tensorboard: bool = False, fallback_to_intact: bool = False,
-          task: Task | None = None) -> TrainResult:
+          task: Task | None = None, allow_cpu: bool = False) -> TrainResult:
     """Train `config` in `workdir`, resuming from its newest checkpoint if there is one.
 
     `task`: your own model, loss and arrays (`jdp.nnx.task(...)`) instead of the config's model
     and data sections.
+
+    The step computes in train.precision (bfloat16: forward and backward in bf16 on float32 master
+    params; jdp's models, and so the evaluation, compute in it too) and all-reduces the gradient in
+    parallel.reduce_dtype. A config with train.accelerator_only is refused (ValueError) when the
+    devices are CPUs, unless `allow_cpu=True`, which trains on them anyway and logs one line saying so.
 
     Writes `workdir/metrics.jsonl` (a JSON object per log or eval step; with `tensorboard`, also
     TensorBoard scalars) from process 0, which alone talks, and orbax checkpoints under
@@ -96,14 +102,14 @@ def train(config: Config, workdir: str, *, devices=None, log=print, progress: bo
     intact one; a state holding NaN/Inf is never checkpointed (`jdp.checkpoint.NonFiniteStateError`).
     """
     # Setup: devices, task, step, data. Nothing is written before the workdir is locked.
-    devices = _checked_devices(config, devices, workdir)
+    devices = _checked_devices(config, devices, workdir, allow_cpu, log)
     p, t = config.parallel, config.train
     task = task or build_task(config)
     spec = config.optimizer_spec()  # the optax chain (schedule included) and the lr it logs
     step = make_train_step(task.loss_fn, spec, backend=p.backend, reduction=p.reduction,
                            lr_correction=p.lr_correction, devices=devices, has_aux=True, needs_rng=True,
                            has_state=True, accum_steps=p.accum_steps, accum_sync=p.accum_sync,
-                           skip_nonfinite=t.max_nonfinite > 0)
+                           skip_nonfinite=t.max_nonfinite > 0, precision=t.precision, reduce_dtype=p.reduce_dtype)
     # Every process must be about to run the same thing (config, data, length) before any step.
     agree({"config": config_hash(config), "train_examples": len(task.train), "steps": t.steps,
            "devices": len(devices)})
@@ -237,14 +243,16 @@ def _compared_run(checkpoints: Checkpointer, run: dict, config: Config) -> dict:
     alone, where the schedule uses it, is refused here with the reason.
 
     Checkpoints of a jdp that always counted train.steps hold it also for a constant schedule:
-    their number is taken as this run's, so that they too may be extended.
+    their number is taken as this run's, so that they too may be extended; checkpoints from before
+    train.precision and the other `ADDED_DEFAULTS` fields resume where the run keeps those defaults.
     """
     try:
         saved = checkpoints.run_info(checkpoints.latest_step())["run"]["identity"]
     except ValueError:  # damaged or unreadable: restore() says so, or falls back to an intact one
         return run
     steps, saved_steps = config.train.steps, saved.get("train", {}).get("steps")
-    identity = run["identity"]
+    identity = _as_in_older_checkpoint(run["identity"], saved)
+    run = {**run, "identity": identity}
     same_but_steps = {**identity, "train": {**identity["train"], "steps": saved_steps}}
     if saved_steps is None or same_but_steps != saved:
         return run  # nothing to say about train.steps; restore() names any difference
@@ -257,13 +265,35 @@ def _compared_run(checkpoints: Checkpointer, run: dict, config: Config) -> dict:
     return {**run, "identity": same_but_steps}
 
 
-def _checked_devices(config: Config, devices, workdir: str) -> list:
+def _as_in_older_checkpoint(identity: dict, saved: dict) -> dict:
+    """`identity` without the fields a checkpoint of an earlier jdp lacks (`ADDED_DEFAULTS`) where
+    this run keeps the value that jdp trained with; any other value still differs, and is refused."""
+    identity = {section: dict(values) for section, values in identity.items()}
+    for dotted, value in ADDED_DEFAULTS.items():
+        section, key = dotted.split(".")
+        if key not in saved.get(section, {}) and identity.get(section, {}).get(key, value) == value:
+            identity.get(section, {}).pop(key, None)
+    return identity
+
+
+def meant_for_accelerators(config: Config, devices) -> bool:
+    """Whether `config` asks for accelerators (train.accelerator_only) and `devices` are CPUs."""
+    return config.train.accelerator_only and devices[0].platform == "cpu"
+
+
+def _checked_devices(config: Config, devices, workdir: str, allow_cpu: bool = False, log=print) -> list:
     """The devices to train on (the config's count of the given ones, default all), config and
     workdir checked against them before anything is written."""
     devices = list(devices or jax.devices())
     if config.parallel.devices:
         devices = devices[:config.parallel.devices]
     validate(config, len(devices))
+    if meant_for_accelerators(config, devices):
+        if not allow_cpu:
+            raise ValueError("the config is meant for accelerators (train.accelerator_only=true) and the devices are "
+                             "CPUs; pass allow_cpu=True to train on them anyway.")
+        log(f"train.accelerator_only=true but the {len(devices)} device(s) are CPUs: training on them anyway, as "
+            f"asked (allow_cpu).")
     if os.path.exists(workdir) and not os.path.isdir(workdir):
         raise ValueError(f"--workdir {workdir!r} exists and is not a directory.")
     return devices

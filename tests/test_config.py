@@ -273,7 +273,7 @@ BAD_FILES = [
                    "schedule, warmup_steps, linear_scaling, base_batch_size), got int."),
     ("optimizer:\n  lr: 1\n", "unknown key 'optimizer'; a config has: model, data, optim, parallel, train."),
     ("train:\n  stepz: 3\n", "unknown key 'train.stepz'; train has: steps, log_every, eval_every, "
-                             "checkpoint_every, keep_checkpoints, max_nonfinite, seed."),
+                             "checkpoint_every, keep_checkpoints, max_nonfinite, seed, precision, accelerator_only."),
 ]
 
 
@@ -404,8 +404,9 @@ def test_run_identity_is_the_config_minus_cadence_and_device_count():
     identity = run_identity(Config())
     assert json.loads(json.dumps(identity)) == identity
     assert "devices" not in identity["parallel"] and "log_every" not in identity["train"]
-    assert identity["train"] == {"seed": 0}  # a constant schedule does not use train.steps
-    assert run_identity(load_config(None, ["optim.schedule=cosine"]))["train"] == {"steps": 300, "seed": 0}
+    assert identity["train"] == {"seed": 0, "precision": "float32"}  # a constant schedule does not use train.steps
+    assert run_identity(load_config(None, ["optim.schedule=cosine"]))["train"] == {"steps": 300, "seed": 0,
+                                                                                 "precision": "float32"}
     assert identity["model"] == Config().to_dict()["model"]
 
 
