@@ -1,8 +1,17 @@
-"""Eight fake CPU devices for every test: set before jax initialises its backends."""
+"""Eight fake CPU devices for every test: set before jax initialises its backends.
+
+JDP_TEST_PLATFORM=cuda (or any JAX_PLATFORMS value) runs the tests on that platform's real
+devices instead, as many as it has and no fake ones: for tests that need one device only, e.g. on
+one GPU (benchmarks/gpu_check.sh). JDP_TEST_PLATFORM=cpu rehearses that on one CPU device.
+"""
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+PLATFORM = os.environ.get("JDP_TEST_PLATFORM", "")
+if PLATFORM:
+    os.environ["JAX_PLATFORMS"] = PLATFORM
+else:
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # jax's persistent compilation cache: a second run of the suite loads compiled steps instead of
 # compiling them again (measured: 25.6 s -> 4.7 s for three step-heavy test files). Subprocesses
 # (CLI, multi-process, README blocks) inherit it through these variables. Set the directory to
@@ -15,7 +24,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 import jdp  # noqa: E402  (applies jdp's CPU collective settings before the backend starts)
 import jax  # noqa: E402
 
-assert jax.device_count() == 8, "tests need 8 fake CPU devices; XLA_FLAGS was overridden"
+assert PLATFORM or jax.device_count() == 8, "tests need 8 fake CPU devices; XLA_FLAGS was overridden"
 
 import pytest  # noqa: E402
 
