@@ -468,8 +468,10 @@ def main(argv=None) -> int:
     log(f"benchmarks.run ({report['mode']}): {report['machine']}")
     if jax.default_backend() == "gpu":
         from benchmarks.gpu import gpt_benchmark
-        report["gpu"] = (gpt_benchmark(d_model=512, n_layers=8, n_heads=8, context=256, steps=5, repeats=2)
-                         if args.quick else gpt_benchmark())
+        # precision="bfloat16" (jdp's step and GPT(dtype=bf16)), fused attention; benchmarks/gpu_check.sh
+        # adds the float32 comparison, remat and the largest batch for the GPT-2-small config.
+        report["gpu"] = (gpt_benchmark(d_model=512, n_layers=8, n_heads=8, context=256, steps=5, repeats=2,
+                                       precision="bfloat16") if args.quick else gpt_benchmark(precision="bfloat16"))
         report["gpu"]["untested_note"] = "this GPU path was written without a GPU and never run on one before"
     else:
         benches = {"handwritten": bench_handwritten, "ddp": bench_ddp, "train_loop": bench_train_loop,

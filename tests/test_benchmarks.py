@@ -1,4 +1,5 @@
-"""`python -m benchmarks.run --quick` end to end, and the GPU mode's arithmetic (on CPU).
+"""`python -m benchmarks.run --quick` end to end, the GPU mode's arithmetic (on CPU), and
+benchmarks/gpu_check.sh's dry run (the GPU check rehearsed on this CPU).
 
 Numbers are machine-dependent: this checks that every part ran and produced positive values,
 not that any target ratio is met.
@@ -88,3 +89,55 @@ def test_gpu_mode_bf16_gpt_step_runs_on_cpu():
     assert out["global_batch"] == 16 and out["oom_batches"] == []
     assert out["median_step_s"] > 0 and out["tokens_per_s"] > 0 and np.isfinite(out["final_loss"])
     assert out["flops_per_step"] > 0 and out["mfu"] is None
+
+
+def test_largest_fitting_reports_each_try():
+    def attempt(batch):
+        if batch > 8:
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory")
+        return {}
+
+    tries = []
+    assert largest_fitting([4, 16, 8], attempt, lambda b, outcome, s: tries.append((b, outcome)))[0] == 8
+    assert tries == [(16, "out of memory"), (8, "fits")]
+
+
+def test_gpu_check_sizes_and_pytest_counts():
+    from benchmarks.gpu_check import TESTS, pytest_counts
+    from benchmarks.gpu_parts import DRY, full_plan
+
+    plan = full_plan()  # configs/gpt2_small.yaml's model: GPT-2 small
+    assert {k: plan.gpt[k] for k in ("d_model", "n_layers", "n_heads", "context")} == {
+        "d_model": 768, "n_layers": 12, "n_heads": 12, "context": 1024}
+    assert plan.deadline_s <= 450 and DRY.deadline_s < 120
+    assert all(os.path.exists(os.path.join(ROOT, f)) for f, _ in TESTS)
+    assert pytest_counts("..F\nFAILED tests/x.py::t - assert\n1 failed, 2 passed, 1 error in 3.21s\n") == {
+        "failed": 1, "passed": 2, "error": 1}
+    assert pytest_counts("no summary") == {}
+
+
+def test_gpu_check_dry_run_writes_one_report(tmp_path):
+    """benchmarks/gpu_check.sh --dry-run: the whole check on this CPU (tiny GPT, one device), one report."""
+    out = tmp_path / "report.md"
+    env = {**os.environ, "JDP_PYTHON": sys.executable}
+    r = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_check.sh"), "--dry-run", "--out", str(out)],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and f"report written to {out}" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+    text = out.read_text()
+    assert text.startswith("# jdp GPU check (dry)") and "DRY RUN on a CPU" in text
+    parts = json.loads(text.split("```json\n")[1].split("\n```")[0])["parts"]
+    assert {k: p["status"] for k, p in parts.items()} == dict.fromkeys(
+        ("env", "exactness", "throughput", "tests", "largest_batch", "cpu_bf16_comm"), "ok")
+    assert parts["env"]["result"]["backend"] == "cpu" and len(parts["env"]["result"]["devices"]) == 1
+    files = parts["tests"]["result"]["files"]
+    assert files and all(f["passed"] > 0 and not f.get("failed") and not f.get("error") for f in files)
+    bench = parts["throughput"]["result"]
+    assert {p: b["precision"] for p, b in bench.items()} == {"float32": "float32", "bfloat16": "bfloat16"}
+    assert all(b["tokens_per_s"] > 0 and b["mfu"] is None for b in bench.values())  # no peak for a CPU
+    assert [s["global_batch"] for s in parts["largest_batch"]["result"].values()] == [16, 16]
+    runs = parts["exactness"]["result"]["runs"]
+    assert runs["sgd: bfloat16 compute"]["vs_float32_here"] > 1e-5  # bf16 compute rounds
+    assert runs["sgd: float32, default matmul precision"]["vs_float32_here"] == 0.0  # CPU: highest is the default
+    comm = parts["cpu_bf16_comm"]["result"]
+    assert comm["platform"] == "CPU, fake devices" and comm["program_allreduce_bytes"]["bfloat16"] < \
+        comm["program_allreduce_bytes"]["float32"]
