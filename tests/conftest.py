@@ -45,6 +45,8 @@ QUICK = (
     "test_linen.py::test_one_sentence_errors", "test_linen.py::test_bridge_equals_the_linen_loop_and_hands_back",
     "test_cli.py::test_train_logs_checkpoints_plots_and_resumes",
     "test_multiprocess.py::test_two_processes_equal_one",
+    "test_precision_train.py::test_bad_values_are_one_sentence_naming_the_key",
+    "test_precision_train.py::test_resume_with_another_precision_is_refused_and_the_checkpoint_kept",
 )
 
 
