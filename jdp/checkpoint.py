@@ -116,7 +116,8 @@ def _chain(error: BaseException) -> list[BaseException]:
     chain = [error]
     while (inner := chain[-1].__cause__ or chain[-1].__context__) is not None and inner not in chain:
         chain.append(inner)
-    return chain
+    # json's parser raises JSONDecodeError while handling its own StopIteration: that is not a cause.
+    return [e for e in chain if not isinstance(e, StopIteration)] or chain
 
 
 class Checkpointer:

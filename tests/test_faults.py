@@ -108,7 +108,7 @@ CONFIG_CASES = [
      "override 'optim.lr=' has no value; write optim.lr=null for none."),
     ("set-unknown-key", None, ["--set", "model.layers=3"],
      "unknown key 'model.layers'; model has: name, hidden, channels, sync_batchnorm, d_model, n_heads, n_layers, "
-     "dropout, context."),
+     "dropout, context, attention, remat."),
     ("set-invalid-yaml", None, ["--set", "model.hidden=[64"],
      "override 'model.hidden=[64' has a value that is not valid YAML: '[64'."),
     # Wrong types.
