@@ -166,12 +166,16 @@ class ParallelConfig(Section):
     """The dtype of the gradient all-reduce: null (default: the gradient's own, float32), "float32"
     ("fp32") or "bfloat16" ("bf16": half the bytes; each device divides its bf16 gradient by N
     before the sum, and the mean is cast back to float32 for the optimizer). Stored as the full name."""
+    shard_optimizer_state: bool = False
+    """ZeRO-1 (backend shard_map): each device keeps 1/N of the optimizer state; the gradient is
+    reduce-scattered and the new params all-gathered. The same step; checkpoints are the same as
+    without it, so a run may resume with or without it."""
 
     _section: ClassVar[str] = "parallel"
     _rules: ClassVar[dict[str, Rule]] = dict(
         backend=one_of(BACKENDS), devices=or_null(POSITIVE_INT), reduction=one_of(REDUCTIONS),
         lr_correction=or_null(one_of(LR_CORRECTIONS)), accum_steps=POSITIVE_INT, accum_sync=one_of(ACCUM_SYNCS),
-        reduce_dtype=or_null(DTYPE))
+        reduce_dtype=or_null(DTYPE), shard_optimizer_state=BOOL)
 
     def __post_init__(self):
         super().__post_init__()

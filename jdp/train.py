@@ -109,7 +109,8 @@ def train(config: Config, workdir: str, *, devices=None, log=print, progress: bo
     step = make_train_step(task.loss_fn, spec, backend=p.backend, reduction=p.reduction,
                            lr_correction=p.lr_correction, devices=devices, has_aux=True, needs_rng=True,
                            has_state=True, accum_steps=p.accum_steps, accum_sync=p.accum_sync,
-                           skip_nonfinite=t.max_nonfinite > 0, precision=t.precision, reduce_dtype=p.reduce_dtype)
+                           skip_nonfinite=t.max_nonfinite > 0, precision=t.precision, reduce_dtype=p.reduce_dtype,
+                           shard_optimizer_state=p.shard_optimizer_state)
     # Every process must be about to run the same thing (config, data, length) before any step.
     agree({"config": config_hash(config), "train_examples": len(task.train), "steps": t.steps,
            "devices": len(devices)})

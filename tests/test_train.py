@@ -136,3 +136,16 @@ def test_tensorboard_scalars(tmp_path):
     np.testing.assert_allclose([v for _, v in got["loss"]], [losses(tmp_path / "tb")[s] for s in range(1, 7)],
                                rtol=1e-6)
     assert "eval_accuracy" in got and "lr" in got
+
+
+def test_sharded_optimizer_state_checkpoints_resume_with_or_without_it(tmp_path):
+    cfg = config(extra=["optim.clip_norm=1.0"])
+    sharded = config(extra=["optim.clip_norm=1.0", "parallel.shard_optimizer_state=true"])
+    whole = run(cfg, tmp_path / "whole", 4)
+    run(sharded, tmp_path / "a", 8, stop_after=2)  # sharded on 8 devices ...
+    run(cfg, tmp_path / "a", 2, stop_after=2)  # ... replicated on 2 ...
+    last = run(sharded, tmp_path / "a", 4)  # ... and sharded on 4 again: one run
+    assert last.resumed_from == 4 and last.steps == 6
+    assert max_abs_diff(last.params, whole.params) <= 2e-6
+    np.testing.assert_allclose(list(losses(tmp_path / "a").values()), list(losses(tmp_path / "whole").values()),
+                               rtol=1e-5)

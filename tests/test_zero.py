@@ -195,3 +195,15 @@ def test_padding_never_decides_a_skip():
     _, sharded, _ = run(4, spec, steps=3, skip_nonfinite=True, shard_optimizer_state=True)
     assert int(replicated.skipped) == int(sharded.skipped) == 0
     assert_close(jdp.get_params(sharded), jdp.get_params(replicated))
+
+
+def test_config_key_and_its_refusal():
+    from jdp.config import load_config
+    from jdp.sections import ConfigError
+
+    assert load_config(None, ["parallel.shard_optimizer_state=true"]).parallel.shard_optimizer_state is True
+    with pytest.raises(ConfigError, match=r"^parallel\.shard_optimizer_state: shard_optimizer_state=True needs "
+                                          r"backend='shard_map' \(got 'pmap'\)"):
+        load_config(None, ["parallel.backend=pmap", "parallel.shard_optimizer_state=true"])
+    with pytest.raises(ConfigError, match=r"^parallel\.shard_optimizer_state must be true or false, got 'yes'\.$"):
+        load_config(None, ["parallel.shard_optimizer_state=yes"])
