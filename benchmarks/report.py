@@ -94,7 +94,29 @@ def markdown(report: dict) -> str:
         if s["errors"]:
             out.append("")
             out += [f"- {n} devices failed: {e}" for n, e in s["errors"].items()]
+    out += _zero_section(report.get("zero"))
     return "\n".join(out) + "\n"
+
+
+def _zero_section(z: dict | None) -> list[str]:
+    """Part 6: the optimizer state sharded (ZeRO-1) vs replicated: step time and bytes per device."""
+    if not z:
+        return []
+    out = ["", f"## 6. Optimizer state sharded (ZeRO-1) vs replicated (MLP {'-'.join(map(str, z['mlp']))}, "
+           f"{z['params']:,} params, Adam, {z['devices']} devices, global batch {z['global_batch']})", "",
+           "| layout | median ms/step | samples/s |", "|---|---|---|"]
+    for name in ("replicated", "sharded"):
+        out.append(f"| {name} | {_ms(z[name]['median_step_s'])} | {z[name]['samples_per_s']:,.0f} |")
+    out += ["", f"Sharded / replicated step time: {z['ratio_sharded_over_replicated']:.3f} (paired rounds).", ""]
+    memory = z.get("memory", {})
+    if "rows" not in memory:
+        return out + [f"Memory table failed: {memory.get('error', 'no result')}"]
+    out += [f"Bytes per device ({memory['formula']}):", "",
+            "| devices | layout | params B | gradient B | optimizer state B | bytes/param |", "|---|---|---|---|---|---|"]
+    for r in memory["rows"]:
+        out.append(f"| {r['devices']} | {r['layout']} | {r['params']:,} | {r['gradient']:,} | "
+                   f"{r['optimizer_state']:,} | {r['bytes_per_param']:.2f} |")
+    return out
 
 
 def plot(report: dict, path: str) -> str | None:

@@ -52,9 +52,18 @@ def test_quick_run_writes_a_complete_report(tmp_path):
         assert row["median_step_s"] > 0 and row["first_call_s"] > 0
         assert row["bytes_per_param"] == pytest.approx(16.0, abs=0.01)  # fp32 params + grads + Adam m, v
 
+    z = report["zero"]
+    assert z["ratio_sharded_over_replicated"] > 0 and "reduce-scatter" in z["comm_sharded"]
+    memory = {(r["devices"], r["layout"]): r["bytes_per_param"] for r in z["memory"]["rows"]}
+    for n in (1, 2, 4, 8):  # Adam in float32: 4 + 4 + 8/N bytes per parameter sharded, 16 replicated
+        assert memory[(n, "replicated")] == pytest.approx(16.0, abs=0.01)
+        if n > 1:
+            assert memory[(n, "sharded")] == pytest.approx(8 + 8 / n, abs=0.01)
+    assert "## 6. Optimizer state sharded (ZeRO-1)" in (tmp_path / "report.md").read_text()
+
     names = {r["ratio"] for r in report["ratios"]}
     assert {"handwritten_over_jdp_shard_map", "handwritten_over_jdp_pmap", "train_loop_over_step",
-            "accum_every_over_last"} <= names
+            "accum_every_over_last", "zero_sharded_over_replicated"} <= names
     assert all(r["value"] > 0 for r in report["ratios"])
 
 
