@@ -79,7 +79,7 @@ def memory_table(sizes, log=print) -> dict:
     for row in rows:
         log(f"    N={row['devices']} {row['layout']}: params {row['params']:,} B, gradient {row['gradient']:,} B, "
             f"optimizer state {row['optimizer_state']:,} B per device")
-    return {"rows": rows, "formula": "bytes per device, Adam in float32, P params: replicated 16·P "
+    return {"rows": rows, "formula": "Adam in float32, P params: replicated 16·P "
             "(params 4, gradient 4, moments 8); optimizer state sharded (4 + 4 + 8/N)·P, plus padding"}
 
 
