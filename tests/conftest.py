@@ -47,6 +47,8 @@ QUICK = (
     "test_multiprocess.py::test_two_processes_equal_one",
     "test_precision_train.py::test_bad_values_are_one_sentence_naming_the_key",
     "test_precision_train.py::test_resume_with_another_precision_is_refused_and_the_checkpoint_kept",
+    "test_zero.py::test_accumulation_and_psum_variant", "test_zero.py::test_refusals_name_the_problem",
+    "test_zero.py::test_config_key_and_its_refusal",
 )
 
 
