@@ -26,7 +26,7 @@ def _status(part: dict | None) -> list[str]:
     if part is None:
         return ["_not run_", ""]
     lines = [f"_{part['status']}" + (f", {part['seconds']} s_" if "seconds" in part else "_"), ""]
-    if "output_tail" in part:
+    if part.get("output_tail", "").strip():
         lines += ["```", part["output_tail"].strip()[-2000:], "```", ""]
     return lines
 
