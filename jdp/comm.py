@@ -80,8 +80,12 @@ class CommReport:
         return sum(c.ring_bytes(self.devices) * c.executions_per_update for c in self.collectives)
 
     def __str__(self) -> str:
+        scattered = sum(c.executions_per_update for c in self.of_kind("reduce-scatter"))
+        gradient = (f"{scattered} gradient reduce-scatter(s) and "
+                    f"{sum(c.executions_per_update for c in self.of_kind('all-gather'))} params all-gather(s)"
+                    if scattered else f"{self.gradient_allreduces_per_update} gradient all-reduce(s)")
         lines = [f"{self.devices} devices, accum_steps={self.accum_steps}, accum_sync={self.accum_sync!r}: "
-                 f"{self.gradient_allreduces_per_update} gradient all-reduce(s) per optimizer step, "
+                 f"{gradient} per optimizer step, "
                  f"{self.bytes_per_update:,} bytes, ring traffic {self.ring_bytes_per_device:,.0f} bytes/device "
                  f"(gradient = {self.gradient_bytes:,} bytes)"]
         for c in self.collectives:
