@@ -206,10 +206,16 @@ def update_model(model: nnx.Module, state: TrainState, optimizer: nnx.Optimizer 
     """Write the trained params and non-parameter state (BatchNorm statistics) of `state` into `model`.
 
     With `optimizer` (an `nnx.Optimizer` for `model` with the same optax transformation), its
-    state and step count are set too, so a one-device `nnx.Optimizer` loop can continue.
+    state and step count are set too, so a one-device `nnx.Optimizer` loop can continue. A step
+    made with shard_optimizer_state=True keeps its optimizer state in slices: pass
+    `train_step.canonical(state)`, which gathers it into the params' shapes.
     """
     if not isinstance(model, nnx.Module):
         raise ValueError(f"model must be an nnx.Module, got {type(model).__name__}.")
+    if optimizer is not None and not state.stacked and not all(
+            x.sharding.is_fully_replicated for x in jax.tree.leaves(state.opt_state) if isinstance(x, jax.Array)):
+        raise ValueError("state's optimizer state is sharded over the devices (shard_optimizer_state=True); pass "
+                         "train_step.canonical(state), which gathers it into the params' shapes.")
     nnx.update(model, get_tree(state, state.params), get_tree(state, state.model_state))
     if optimizer is None:
         return

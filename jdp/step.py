@@ -289,6 +289,12 @@ def get_params(state: TrainState):
 
 
 def get_tree(state: TrainState, tree):
-    """Any part of `state` (e.g. `state.opt_state`) as host numpy, one copy, original shapes."""
-    first = lambda x: np.asarray(x.addressable_data(0))  # noqa: E731
-    return jax.tree.map((lambda x: first(x)[0]) if state.stacked else first, tree)
+    """Any part of `state` (e.g. `state.opt_state`) as host numpy, one copy, original shapes; a
+    sharded leaf (the optimizer state with shard_optimizer_state) whole, as the step holds it
+    (`step.canonical(state)` gives it the params' shapes)."""
+    def host(x):
+        if state.stacked:
+            return np.asarray(x.addressable_data(0))[0]
+        return np.asarray(x.addressable_data(0) if x.sharding.is_fully_replicated else jax.device_get(x))
+
+    return jax.tree.map(host, tree)

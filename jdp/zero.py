@@ -31,7 +31,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jdp.layouts import ShardMapLayout, _state_tree
-from jdp.mesh import DATA_AXIS
+from jdp.mesh import DATA_AXIS, replicated
 from jdp.reduce import _low_precision, mean_over_devices
 from jdp.state import TrainState
 
@@ -189,8 +189,9 @@ class ShardedStateLayout(ShardMapLayout):
 
     def canonical(self, state: TrainState) -> TrainState:
         """The optimizer state as the replicated layout holds it: padding dropped, leaves reshaped."""
-        def unpad(x, leaf):
-            return x[:int(np.prod(leaf.shape, dtype=np.int64))].reshape(leaf.shape)
+        def unpad(x, leaf):  # replicated again, as the replicated layout holds it
+            return jax.device_put(x[:int(np.prod(leaf.shape, dtype=np.int64))].reshape(leaf.shape),
+                                  replicated(self.mesh))
 
         return state.replace(opt_state=optax.tree_map_params(self.optimizer, unpad, state.opt_state,
                                                              self.slices.struct))

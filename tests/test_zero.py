@@ -165,12 +165,18 @@ def test_nnx_model_with_sharded_optimizer_state():
 
     finals = []
     for shard in (False, True):
-        step = jdp.nnx.make_train_step(make(), loss_fn, optax.adam(1e-2), devices=jax.devices()[:4],
+        model = make()
+        optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+        step = jdp.nnx.make_train_step(model, loss_fn, optimizer, devices=jax.devices()[:4],
                                        shard_optimizer_state=shard)
         state = step.init()
         for b in batches(3, GLOBAL):
             state, _ = step(state, b)
-        finals.append(jdp.get_params(state))
+        if shard:  # its optimizer state is in slices: update_model says how to gather it
+            with pytest.raises(ValueError, match=r"pass train_step\.canonical\(state\), which gathers it"):
+                jdp.nnx.update_model(model, state, optimizer)
+        jdp.nnx.update_model(model, step.canonical(state), optimizer)
+        finals.append((nnx.state(model, nnx.Param), nnx.state(optimizer, nnx.optimizer.OptState)))
     assert_close(finals[1], finals[0])
 
 
