@@ -14,7 +14,8 @@ from jdp.mesh import DATA_AXIS
 from jdp.options import REDUCTIONS
 
 
-def _low_precision(x) -> bool:
+def low_precision(x) -> bool:
+    """Whether `x` is fp16/bf16, which jdp divides by N before summing."""
     # Below float32 a sum over many devices can overflow (fp16 max is 65504), so such values are
     # divided by N before they are summed, as PyTorch DDP does.
     return x.dtype in (jnp.float16, jnp.bfloat16)
@@ -38,7 +39,7 @@ def mean_over_devices(tree):
     N before the sum, so the reduction cannot overflow where the mean itself would not; other
     leaves are summed, then divided (exactly `lax.pmean`).
     """
-    low = [_low_precision(x) for x in jax.tree.leaves(tree)]
+    low = [low_precision(x) for x in jax.tree.leaves(tree)]
     return _psum_scaled(tree, low, [not lo for lo in low])
 
 
@@ -63,7 +64,7 @@ def reduce_step_values(grads, means, reduction: str, reduce_dtype=None):
     if reduce_dtype is not None:
         grads = jax.tree.map(lambda g: g.astype(reduce_dtype) if jnp.issubdtype(g.dtype, jnp.floating) else g, grads)
     is_grad = [True] * len(own) + [False] * len(jax.tree.leaves(means))
-    low = [_low_precision(x) for x in jax.tree.leaves((grads, means))]
+    low = [low_precision(x) for x in jax.tree.leaves((grads, means))]
     divide = [reduction == "mean" or not g for g in is_grad]  # a mean divides by N once
     grads, means = _psum_scaled((grads, means), [d and lo for d, lo in zip(divide, low)],
                                 [d and not lo for d, lo in zip(divide, low)])

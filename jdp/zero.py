@@ -32,14 +32,14 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jdp.layouts import ShardMapLayout, _state_tree
 from jdp.mesh import DATA_AXIS, replicated
-from jdp.reduce import _low_precision, mean_over_devices
+from jdp.reduce import low_precision, mean_over_devices
 from jdp.state import TrainState
 
 
 class Slices:
     """How each params leaf is cut into N equal slices: flattened, zero-padded to a multiple of N.
 
-    `shapes` are the canonical (global) leaf shapes; leaf i of size s_i is padded to L_i = N·c_i,
+    Leaf i of `params` (canonical, global shapes) with s_i elements is padded to L_i = N·c_i,
     c_i = ceil(s_i / N), and device d holds elements [d·c_i, (d+1)·c_i) of it.
     """
 
@@ -47,7 +47,8 @@ class Slices:
         self.n = n
         self.struct = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), params)
         self.leaves, self.treedef = jax.tree.flatten(self.struct)
-        self.chunks = [max(1, -(-int(np.prod(x.shape, dtype=np.int64)) // n)) for x in self.leaves]
+        self.sizes = [int(np.prod(x.shape, dtype=np.int64)) for x in self.leaves]
+        self.chunks = [max(1, -(-size // n)) for size in self.sizes]
 
     def padded(self, x, c: int):
         """A leaf flattened and zero-padded to N·c elements."""
@@ -81,7 +82,7 @@ class Slices:
         for dtype in dict.fromkeys(x.dtype for x in leaves):
             idx = [i for i, x in enumerate(leaves) if x.dtype == dtype]
             buf = jnp.concatenate([self.padded(leaves[i], self.chunks[i]).reshape(self.n, -1) for i in idx], axis=1)
-            before = mean and _low_precision(buf)
+            before = mean and low_precision(buf)
             buf = buf / self.n if before else buf
             row = lax.psum_scatter(buf.reshape(-1), DATA_AXIS, scatter_dimension=0, tiled=True)
             row = row / self.n if mean and not before else row
@@ -98,14 +99,13 @@ class Slices:
             rows = lax.all_gather(jnp.concatenate([parts[i] for i in idx]), DATA_AXIS, tiled=True).reshape(self.n, -1)
             cols = jnp.split(rows, np.cumsum([self.chunks[i] for i in idx])[:-1], axis=1)
             for i, block in zip(idx, cols):
-                leaf = self.leaves[i]
-                out[i] = block.reshape(-1)[:int(np.prod(leaf.shape, dtype=np.int64))].reshape(leaf.shape)
+                out[i] = block.reshape(-1)[:self.sizes[i]].reshape(self.leaves[i].shape)
         return self.treedef.unflatten(out)
 
     def real(self, x, c: int, leaf):
         """This device's (c,) slice `x` of `leaf` with its padding slots zeroed (inside the mapped step)."""
         index = lax.axis_index(DATA_AXIS) * c + jnp.arange(c)
-        return jnp.where(index < int(np.prod(leaf.shape, dtype=np.int64)), x, jnp.zeros_like(x))
+        return jnp.where(index < leaf.size, x, jnp.zeros_like(x))
 
     def chunk_tree(self):
         return self.treedef.unflatten(self.chunks)
@@ -190,8 +190,7 @@ class ShardedStateLayout(ShardMapLayout):
     def canonical(self, state: TrainState) -> TrainState:
         """The optimizer state as the replicated layout holds it: padding dropped, leaves reshaped."""
         def unpad(x, leaf):  # replicated again, as the replicated layout holds it
-            return jax.device_put(x[:int(np.prod(leaf.shape, dtype=np.int64))].reshape(leaf.shape),
-                                  replicated(self.mesh))
+            return jax.device_put(x[:leaf.size].reshape(leaf.shape), replicated(self.mesh))
 
         return state.replace(opt_state=optax.tree_map_params(self.optimizer, unpad, state.opt_state,
                                                              self.slices.struct))

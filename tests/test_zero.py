@@ -213,3 +213,25 @@ def test_config_key_and_its_refusal():
         load_config(None, ["parallel.backend=pmap", "parallel.shard_optimizer_state=true"])
     with pytest.raises(ConfigError, match=r"^parallel\.shard_optimizer_state must be true or false, got 'maybe'\.$"):
         load_config(None, ["parallel.shard_optimizer_state=maybe"])
+
+
+def test_leaves_of_two_dtypes_scatter_and_gather_per_dtype():
+    # One reduce-scatter and one all-gather per dtype: a float32 and a bfloat16 leaf (and float32
+    # precision, so bf16 params are allowed) come back in their own dtypes and values.
+    def loss(params, batch):
+        h = batch["x"] @ params["w"] + params["b"].astype(jnp.float32)
+        return jnp.mean((h - batch["t"]) ** 2)
+
+    params = {"w": np.linspace(-1, 1, 15, dtype=np.float32).reshape(5, 3), "b": np.zeros(3, jnp.bfloat16)}
+    batch = {"x": np.linspace(0, 1, 40, dtype=np.float32).reshape(8, 5), "t": np.ones((8, 3), np.float32)}
+    finals, reports = [], []
+    for shard in (False, True):
+        step = jdp.make_train_step(loss, optax.adam(1e-2), devices=jax.devices()[:4], shard_optimizer_state=shard)
+        state = step.init(params)
+        for _ in range(3):
+            state, _ = step(state, batch)
+        finals.append(jdp.get_params(state))
+        reports.append(jdp.comm_report(step, state, batch))
+    assert finals[1]["b"].dtype == jnp.bfloat16 and finals[1]["w"].dtype == np.float32
+    assert_close(finals[1], finals[0], tol=0)
+    assert len(reports[1].of_kind("reduce-scatter")) == len(reports[1].of_kind("all-gather")) == 2
