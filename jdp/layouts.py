@@ -23,7 +23,7 @@ UNSIZED = None  # the aux part of an accumulator before the first call has shown
 ACCUMULATORS = (None, "per_device", "replicated")  # what a state's `accum` holds (see `TrainStep`)
 
 
-def _state_tree(value, accum, kind) -> TrainState:
+def state_tree(value, accum, kind) -> TrainState:
     """A TrainState-shaped prefix tree: `value` for the replicated fields, `accum` for a per-device accumulator."""
     return TrainState(step=value, micro_step=value, params=value, opt_state=value, model_state=value, rng=value,
                       skipped=value, skip_streak=value, accum={None: None, "per_device": accum, "replicated": value}[kind])
@@ -41,8 +41,8 @@ class ShardMapLayout:
 
     def __init__(self, mesh: Mesh, accum: str | None):
         self.mesh, self.num_devices, self.accum = mesh, mesh.devices.size, accum
-        self.state_shardings = _state_tree(replicated(mesh), batch_sharded(mesh), accum)
-        self._specs = _state_tree(P(), P(DATA_AXIS), accum)
+        self.state_shardings = state_tree(replicated(mesh), batch_sharded(mesh), accum)
+        self._specs = state_tree(P(), P(DATA_AXIS), accum)
 
     def per_device(self, params):
         # Replicated params are axis-invariant; differentiating w.r.t. them makes jax.grad sum the
@@ -137,7 +137,7 @@ class PmapLayout(ShardMapLayout):
 
     def __init__(self, mesh: Mesh, accum: str | None):
         super().__init__(mesh, accum)
-        self.state_shardings = _state_tree(batch_sharded(mesh), batch_sharded(mesh), accum).replace(stacked=True)
+        self.state_shardings = state_tree(batch_sharded(mesh), batch_sharded(mesh), accum).replace(stacked=True)
 
     def per_device(self, params):
         return params

@@ -30,7 +30,7 @@ import optax
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jdp.layouts import ShardMapLayout, _state_tree
+from jdp.layouts import ShardMapLayout, state_tree
 from jdp.mesh import DATA_AXIS, replicated
 from jdp.reduce import low_precision, mean_over_devices
 from jdp.state import TrainState
@@ -149,7 +149,7 @@ class ShardedStateLayout(ShardMapLayout):
         opt = jax.eval_shape(self.optimizer.init, slices.flat_struct())
         specs = optax.tree_map_params(self.optimizer, lambda _: P(DATA_AXIS), opt, transform_non_params=lambda _: P())
         self.slices, self._jitted = slices, None
-        self._specs = _state_tree(P(), P(DATA_AXIS), self.accum).replace(opt_state=specs)
+        self._specs = state_tree(P(), P(DATA_AXIS), self.accum).replace(opt_state=specs)
         self.state_shardings = jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), self._specs,
                                             is_leaf=lambda x: isinstance(x, P))
         return True
