@@ -128,7 +128,7 @@ def paths():
                                                     accum_sync="last")
         yield f"{backend}.state_m3_every", lambda: run(
             loss_state, adam, batches, 3, {"model_state": {"mean": np.zeros(SIZES[0], np.float32)}},
-            has_state=True, backend=backend)
+            has_state=True, sync_batchnorm=False, backend=backend)
         padded = data(STEPS, GLOBAL, seed=2, mask_from=GLOBAL - 10)
         yield f"{backend}.mask_m1", lambda: run(loss_masked, adam, padded, has_aux=True, backend=backend)
         yield f"{backend}.mask_m3_last", lambda: run(loss_masked, adam, padded, 3, {"example_batch": padded[0]},

@@ -1,7 +1,7 @@
 """The per-device step: grad -> reduce -> accumulate -> update, as pure functions of the state.
 
 `device_step` runs on one device's b examples inside a layout (`jdp.layouts`): `jax.shard_map` or
-`jax.pmap` over `DATA_AXIS`. It never asks which one: the layout hands it a `per_device` view of
+`jax.pmap` over one mesh axis (`layout.axis`, "data" unless `axis_name=` says otherwise). It never asks which one: the layout hands it a `per_device` view of
 the params and of the accumulator. Scales, with N devices, b examples per device and call, M calls
 per optimizer step (accum_steps):
 
@@ -46,7 +46,7 @@ def device_step(state: TrainState, batch, step: Step) -> tuple[TrainState, dict]
     """One call on this device's b examples; returns the new state and metrics equal on every device."""
     o, layout = step.options, step.layout
     updates_now = (state.micro_step + 1) % o.accum_steps == 0
-    key = device_key(state.rng, state.micro_step)
+    key = device_key(state.rng, state.micro_step, layout.axis)
 
     # 1. grad: the mean loss over this device's b examples, and its gradient.
     (loss, (aux, model_state)), grads = jax.value_and_grad(step.loss, has_aux=True)(
@@ -62,7 +62,7 @@ def device_step(state: TrainState, batch, step: Step) -> tuple[TrainState, dict]
         mean = jax.tree.map(lambda x: x / o.accum_steps, sums)
         new, metrics = lax.cond(updates_now, lambda: reduce_and_update(state, mean, (), rows, masked, step),
                                 lambda: hold(state, this_call, step))
-        new = new._replace(model_state=mean_over_devices(model_state) if jax.tree.leaves(model_state) else model_state)
+        new = new._replace(model_state=mean_over_devices(model_state, layout.axis) if jax.tree.leaves(model_state) else model_state)
         accum = layout.shared(jax.tree.map(lambda s: jnp.where(updates_now, jnp.zeros_like(s), s), sums))
     else:
         # 2-4. reduce every call, then update: optax.MultiSteps (M > 1) keeps the running mean of
@@ -210,9 +210,36 @@ def batch_rows(batch) -> int:
     return sizes.pop()
 
 
+def unbound_axes(error: BaseException, bound: str) -> list[str]:
+    """The axis names other than `bound` that the collectives on `error`'s traceback were called with.
+
+    jax reports a collective over an axis that is not bound with a bare AssertionError (shard_map)
+    or a NameError (pmap) from inside `jax.lax`; the axis it was asked for is in those frames.
+    """
+    found, tb = [], error.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_filename.replace("\\", "/").endswith("jax/_src/lax/parallel.py"):
+            for name in ("axis_name", "axes"):
+                value = frame.f_locals.get(name)
+                for axis in value if isinstance(value, (tuple, list)) else (value,):
+                    if isinstance(axis, str) and axis != bound and axis not in found:
+                        found.append(axis)
+        tb = tb.tb_next
+    return found
+
+
 def call_loss(loss_fn, o: StepOptions, params, model_state, batch, key):
     """Call loss_fn as declared; always returns (loss, (aux, new_model_state))."""
-    out = loss_fn(params, *((model_state,) if o.has_state else ()), batch, *((key,) if o.needs_rng else ()))
+    try:
+        out = loss_fn(params, *((model_state,) if o.has_state else ()), batch, *((key,) if o.needs_rng else ()))
+    except (AssertionError, NameError) as e:  # what jax raises for a collective over an axis it does not bind
+        unbound = unbound_axes(e, o.axis_name)
+        if not unbound:
+            raise
+        raise ValueError(f"loss_fn reduces over the mesh axis {unbound[0]!r} (a BatchNorm axis_name or a "
+                         f"lax.pmean/psum inside it), but the step binds {o.axis_name!r}: pass "
+                         f"axis_name={unbound[0]!r} to make_train_step, or name {o.axis_name!r} in the model.") from None
     if not (o.has_aux or o.has_state):
         return out, ({}, model_state)
     wanted = ("(loss, (aux, new_model_state))" if o.has_aux and o.has_state

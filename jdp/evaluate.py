@@ -11,7 +11,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jdp.data import MASK_KEY, make_batches
-from jdp.mesh import DATA_AXIS, batch_sharded, replicated
+from jdp.mesh import batch_sharded, replicated
 
 
 def make_eval_step(metric_fn: Callable, mesh):
@@ -21,6 +21,8 @@ def make_eval_step(metric_fn: Callable, mesh):
     masked values; the sums and the count of real examples are added over devices (psum), so the
     ratio is exact whatever the padding of the last batch.
     """
+    axis = mesh.axis_names[0]
+
     def device_eval(params, model_state, batch):
         values = metric_fn(params, model_state, batch)
         mask = batch[MASK_KEY]
@@ -29,9 +31,9 @@ def make_eval_step(metric_fn: Callable, mesh):
                 raise ValueError(f"metric_fn's {name!r} has shape {jnp.shape(v)}; it must hold one value per "
                                  f"example, shape {mask.shape}, so that padded examples can be left out.")
         sums = {k: jnp.sum(v.astype(jnp.float32) * mask) for k, v in values.items()}
-        return lax.psum((sums, jnp.sum(mask)), DATA_AXIS)
+        return lax.psum((sums, jnp.sum(mask)), axis)
 
-    return jax.jit(jax.shard_map(device_eval, mesh=mesh, in_specs=(P(), P(), P(DATA_AXIS)),
+    return jax.jit(jax.shard_map(device_eval, mesh=mesh, in_specs=(P(), P(), P(axis)),
                                  out_specs=P(), check_vma=False))
 
 

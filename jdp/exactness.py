@@ -110,23 +110,38 @@ class NotExactError(AssertionError):
         self.report = report
 
 
-_OWN_OPTIONS = ("backend", "devices", "accum_steps", "accum_sync", "has_aux")
-_NOT_ONE_DEVICE = {"needs_rng": "per-device random keys cannot equal one device's",
-                   "has_state": "pass an nnx model instead: its BatchNorm statistics are compared"}
+_OWN_OPTIONS = ("backend", "devices", "accum_steps", "accum_sync", "has_aux", "has_state")
+_NOT_ONE_DEVICE = {"needs_rng": "per-device random keys cannot equal one device's"}
+
+
+@dataclass(frozen=True)
+class _Setup:
+    """What every run of one check shares: the loss as declared, the optimizer and the reference."""
+
+    loss_fn: Callable
+    tx: optax.GradientTransformation  # the optimizer itself (the reference wraps it in MultiSteps)
+    start: object  # params, or an nnx model
+    model_state: object  # has_state only: the initial model state (Linen's batch_stats)
+    has_aux: bool
+    has_state: bool
+    rtol: float | None
+    atol: float | None
 
 
 def assert_data_parallel_exact(loss_fn: Callable, optimizer, params_or_model, batches: Iterable, *,
                                devices: Sequence[jax.Device] | None = None,
                                backends: Sequence[str] | str = ("shard_map", "pmap"), accum_steps: int = 1,
                                accum_sync: Sequence[str] | str = ("every", "last"), has_aux: bool = False,
-                               rtol: float | None = None, atol: float | None = None,
-                               **step_options) -> ExactnessReport:
+                               has_state: bool = False, model_state=None, rtol: float | None = None,
+                               atol: float | None = None, **step_options) -> ExactnessReport:
     """Assert that jdp on N devices takes the steps one device takes on the same global batches.
 
     Args:
       loss_fn: `loss_fn(params, batch)` (array params) or `loss_fn(model, batch)` (an nnx model):
         the MEAN loss over the examples it is given, as for `jdp.make_train_step`; `(loss, aux)`
-        with has_aux (aux: scalar means such as accuracy; compared too).
+        with has_aux (aux: scalar means such as accuracy; compared too). With has_state (array
+        params, e.g. a Linen model with BatchNorm): `loss_fn(params, model_state, batch) -> (loss,
+        new_model_state)`, or `(loss, (aux, new_model_state))` with has_aux.
       optimizer: an optax transformation (or, for a model, an `nnx.Optimizer`: its `tx`).
       params_or_model: a pytree of arrays, or an `nnx.Module` (never modified). A model that draws
         random numbers (Dropout) cannot match one device: make it deterministic for this test.
@@ -137,25 +152,50 @@ def assert_data_parallel_exact(loss_fn: Callable, optimizer, params_or_model, ba
         each compiled once; so is the reference.
       accum_steps: M micro-batches per optimizer step. The reference is then one device stepping
         `optax.MultiSteps(optimizer, M)` through the same M micro-batches (for a model without
-        batch statistics, the same as one step on the whole global batch).
+        batch statistics, the same as one step on the whole global batch; with them, statistics
+        per micro-batch, as jdp computes them).
+      has_state, model_state: array params with non-parameter state (Linen's `batch_stats`): the
+        state is compared too.
       rtol, atol: a leaf passes if max |jdp - reference| <= atol + rtol · max |reference|;
         default by the leaf's dtype, `TOLERANCES` (float32: 1e-5 each). Pass your own for a model
         that computes in lower precision than its params, or for long runs.
       **step_options: passed on to the step (`reduction`, `lr_correction`, `skip_nonfinite`,
-        `mask_key` (default None here: the batch is taken as it is), and for a model
+        `mask_key` (default None here: the batch is taken as it is), `axis_name` (the mesh axis
+        the loss reduces over, e.g. 'batch' for `nn.BatchNorm(axis_name='batch')`), and for a model
         `sync_batchnorm`).
 
     The reference is independent of jdp: `jax.jit` of `jax.value_and_grad` and the optax update on
-    the whole global batch on the first device (for a model: `nnx.value_and_grad` and an
-    `nnx.Optimizer`, BatchNorm statistics compared too). Per run, the params (and model state),
-    the loss and aux of every step, the optimizer step count and the replicas
-    (`jdp.check_replicas`) are checked.
+    the whole global batch on the first device, the loss run with `axis_name` bound on that one
+    device (`jax.vmap` over an axis of size 1, so a BatchNorm's or a metric's `lax.pmean` is the
+    identity); for an nnx model, `nnx.value_and_grad` and an `nnx.Optimizer`, BatchNorm statistics
+    compared too. Per run, the params (and model state), the loss and aux of every step, the
+    optimizer step count and the replicas (`jdp.check_replicas`) are checked.
 
     Returns the `ExactnessReport` (print it). Raises `NotExactError` (an AssertionError): with the
     report, failing leaves first, when a leaf is beyond its tolerance or when the reference moved no
     parameter beyond its tolerance (the comparison would prove nothing); without it (`.report` None)
     when the reference went NaN/Inf, or a run's replicas or optimizer step count are wrong.
     """
+    batches, backends, syncs = _checked_arguments(batches, backends, accum_sync, step_options)
+    devices = _checked_devices(devices)
+    setup = _setup(loss_fn, optimizer, params_or_model, has_aux, has_state, model_state, rtol, atol)
+    reference_tx = setup.tx if accum_steps == 1 else optax.MultiSteps(setup.tx, accum_steps).gradient_transformation()
+    reference = (_reference_model(loss_fn, reference_tx, params_or_model, batches, accum_steps, has_aux, devices[0])
+                 if isinstance(params_or_model, nnx.Module) else
+                 _reference_params(setup, reference_tx, batches, accum_steps, step_options.get("axis_name", "data"),
+                                   devices[0]))
+    _check_reference_finite(reference[1])
+    rows, labels = [], []
+    for backend in backends:
+        for sync in (syncs if accum_steps > 1 else syncs[:1]):
+            label = backend if accum_steps == 1 else f"{backend}, accum_sync={sync!r}"
+            labels.append(label)
+            options = dict(step_options, backend=backend, devices=devices, accum_steps=accum_steps, accum_sync=sync)
+            rows += _compare_run(label, setup, _run_jdp(label, setup, batches, options), reference)
+    return _verdict(rows, labels, len(devices), len(batches))
+
+
+def _checked_arguments(batches, backends, accum_sync, step_options):
     batches = list(batches)
     if not batches:
         raise ValueError("batches is empty; pass at least one global batch.")
@@ -169,21 +209,34 @@ def assert_data_parallel_exact(loss_fn: Callable, optimizer, params_or_model, ba
         if name in _NOT_ONE_DEVICE:
             raise ValueError(f"{name} cannot be checked against one device: {_NOT_ONE_DEVICE[name]}.")
     step_options.setdefault("mask_key", None)
+    return batches, backends, syncs
+
+
+def _checked_devices(devices) -> list:
     if devices is None:
         devices = jax.devices()
         if len(devices) < 2:
             raise ValueError("jax has only 1 device, so nothing data-parallel would be tested: run pytest with "
                              "--jdp-devices N, or call jdp.cpu.use_cpu_devices(N) before any jax computation.")
-    devices = list(devices)
-    is_model = isinstance(params_or_model, nnx.Module)
+    return list(devices)
+
+
+def _setup(loss_fn, optimizer, start, has_aux, has_state, model_state, rtol, atol) -> _Setup:
+    is_model = isinstance(start, nnx.Module)
     tx = optimizer.tx if is_model and isinstance(optimizer, nnx.Optimizer) else optimizer
     if not isinstance(tx, optax.GradientTransformation):
         raise ValueError(f"optimizer must be an optax.GradientTransformation"
                          f"{' or an nnx.Optimizer' if is_model else ''}, got {type(optimizer).__name__}.")
-    reference_tx = tx if accum_steps == 1 else optax.MultiSteps(tx, accum_steps).gradient_transformation()
-    reference = (_reference_model if is_model else _reference_params)(loss_fn, reference_tx, params_or_model,
-                                                                      batches, accum_steps, has_aux, devices[0])
-    initial, ref_final, ref_losses, ref_aux = reference
+    if has_state and is_model:
+        raise ValueError("has_state is for array params (e.g. Linen's batch_stats); an nnx model's BatchNorm "
+                         "statistics are found and compared without it.")
+    if has_state != (model_state is not None and bool(jax.tree.leaves(model_state))):
+        raise ValueError("has_state=True and model_state=... go together: pass both (the model state the loss "
+                         "takes, e.g. variables['batch_stats']), or neither.")
+    return _Setup(loss_fn, tx, start, model_state, has_aux, has_state, rtol, atol)
+
+
+def _check_reference_finite(ref_final) -> None:
     bad = [group + path for group in ref_final for path, x in _leaves(ref_final[group]).items()
            if jnp.issubdtype(x.dtype, jnp.inexact) and not np.all(np.isfinite(x))]
     if bad:
@@ -191,49 +244,54 @@ def assert_data_parallel_exact(loss_fn: Callable, optimizer, params_or_model, ba
                             f"{' ...' if len(bad) > 5 else ''}, so comparing with it proves nothing; fix the "
                             f"model, the data or the optimizer (e.g. Adam's eps underflows in float16).", None)
 
-    rows, labels = [], []
-    for backend in backends:
-        for sync in (syncs if accum_steps > 1 else syncs[:1]):
-            label = backend if accum_steps == 1 else f"{backend}, accum_sync={sync!r}"
-            labels.append(label)
-            options = dict(step_options, backend=backend, devices=devices, accum_steps=accum_steps, accum_sync=sync)
-            if is_model:
-                step = _nnx_make_train_step(params_or_model, loss_fn, optimizer, has_aux=has_aux, **options)
-                state = step.init(seed=0)
-            else:
-                step = make_array_step(loss_fn, tx, has_aux=has_aux, **options)
-                state = step.init(params_or_model)
-            losses, auxes = [], []
-            for batch in batches:
-                for micro in step.micro_batches(batch):
-                    state, metrics = step(state, micro)
-                losses.append(metrics["loss"])
-                auxes.append(metrics.get("aux", {}))
-            try:
-                check_replicas(state)
-            except AssertionError as e:
-                raise NotExactError(f"{label}: the devices' copies of the state differ: {e}", None) from e
-            taken = int(get_tree(state, state.step))
-            if taken != len(batches):
-                raise NotExactError(f"{label}: {taken} optimizer step(s) taken for {len(batches)} global batches.",
-                                    None)
-            final = {"params": get_tree(state, state.params)}
-            if is_model:
-                final["model_state"] = get_tree(state, state.model_state)
-            rows += _compare(label, final, ref_final, initial, rtol, atol)
-            rows += _compare_steps(label, "loss", jax.device_get(losses), ref_losses, rtol, atol)
-            if has_aux:
-                got_aux, want_aux = _per_step(jax.device_get(auxes)), _per_step(ref_aux)
-                if got_aux.keys() != want_aux.keys():
-                    raise NotExactError(f"{label}: the step's aux has {sorted(got_aux)}, the reference's "
-                                        f"{sorted(want_aux)}.", None)
-                for path, want in want_aux.items():
-                    rows += _compare_steps(label, "aux" + path, got_aux[path], want, rtol, atol)
 
+def _run_jdp(label: str, setup: _Setup, batches: list, options: dict):
+    """One jdp run over every batch: (final params [and model state], per-step losses, per-step aux)."""
+    is_model = isinstance(setup.start, nnx.Module)
+    if is_model:
+        step = _nnx_make_train_step(setup.start, setup.loss_fn, setup.tx, has_aux=setup.has_aux, **options)
+        state = step.init(seed=0)
+    else:
+        step = make_array_step(setup.loss_fn, setup.tx, has_aux=setup.has_aux, has_state=setup.has_state, **options)
+        state = step.init(setup.start, setup.model_state if setup.has_state else ())
+    losses, auxes = [], []
+    for batch in batches:
+        for micro in step.micro_batches(batch):
+            state, metrics = step(state, micro)
+        losses.append(metrics["loss"])
+        auxes.append(metrics.get("aux", {}))
+    try:
+        check_replicas(state)
+    except AssertionError as e:
+        raise NotExactError(f"{label}: the devices' copies of the state differ: {e}", None) from e
+    taken = int(get_tree(state, state.step))
+    if taken != len(batches):
+        raise NotExactError(f"{label}: {taken} optimizer step(s) taken for {len(batches)} global batches.", None)
+    final = {"params": get_tree(state, state.params)}
+    if is_model or setup.has_state:
+        final["model_state"] = get_tree(state, state.model_state)
+    return final, jax.device_get(losses), jax.device_get(auxes)
+
+
+def _compare_run(label: str, setup: _Setup, run, reference) -> list[LeafDiff]:
+    (final, losses, auxes), (initial, ref_final, ref_losses, ref_aux) = run, reference
+    rows = _compare(label, final, ref_final, initial, setup.rtol, setup.atol)
+    rows += _compare_steps(label, "loss", losses, ref_losses, setup.rtol, setup.atol)
+    if setup.has_aux:
+        got_aux, want_aux = _per_step(auxes), _per_step(ref_aux)
+        if got_aux.keys() != want_aux.keys():
+            raise NotExactError(f"{label}: the step's aux has {sorted(got_aux)}, the reference's "
+                                f"{sorted(want_aux)}.", None)
+        for path, want in want_aux.items():
+            rows += _compare_steps(label, "aux" + path, got_aux[path], want, setup.rtol, setup.atol)
+    return rows
+
+
+def _verdict(rows: list[LeafDiff], labels: list[str], devices: int, steps: int) -> ExactnessReport:
     rows.sort(key=lambda r: (-r.ratio, -r.diff, r.run, r.name))
-    report = ExactnessReport(tuple(rows), len(devices), len(batches), tuple(labels))
+    report = ExactnessReport(tuple(rows), devices, steps, tuple(labels))
     if not report.ok:
-        raise NotExactError(f"jdp on {len(devices)} devices does not take the one-device steps: "
+        raise NotExactError(f"jdp on {devices} devices does not take the one-device steps: "
                             f"{len(report.failures)} of {len(rows)} leaves beyond tolerance (worst first; "
                             f"runs: {', '.join(labels)}):\n{report.table(limit=max(20, len(report.failures)))}", report)
     param_rows = [r for r in rows if r.name.startswith("params")]
@@ -262,27 +320,43 @@ def _micro(batch, m: int) -> list:
     return [jax.tree.map(lambda x: x[k * b:(k + 1) * b], batch) for k in range(m)]
 
 
-def _reference_params(loss_fn, tx, params, batches, m, has_aux, device):
-    """Plain one-device JAX: jit(value_and_grad) and the optax update, on the whole (micro-)batch."""
+def _reference_params(setup: _Setup, tx, batches, m, axis: str, device):
+    """Plain one-device JAX: jit(value_and_grad) and the optax update, on the whole (micro-)batch,
+    with `axis` bound on that one device (vmap over a size-1 axis), so collectives in the loss are
+    the identity."""
 
-    @jax.jit
-    def step(params, opt_state, batch):
-        (loss, aux), grads = jax.value_and_grad(_with_aux(loss_fn, has_aux), has_aux=True)(params, batch)
+    def one_device(params, opt_state, model_state, batch):
+        def loss(p):
+            out = setup.loss_fn(p, model_state, batch) if setup.has_state else setup.loss_fn(p, batch)
+            if setup.has_aux and setup.has_state:
+                return out
+            if setup.has_aux:
+                return out[0], (out[1], model_state)
+            return (out[0], ({}, out[1])) if setup.has_state else (out, ({}, model_state))
+
+        (value, (aux, new_state)), grads = jax.value_and_grad(loss, has_aux=True)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss, aux
+        return optax.apply_updates(params, updates), opt_state, new_state, value, aux
 
-    initial = {"params": jax.device_get(params)}
-    params = jax.device_put(params, device)
-    opt_state = tx.init(params)
+    step = jax.jit(jax.vmap(one_device, axis_name=axis))
+    one = lambda tree: jax.tree.map(lambda x: x[None], tree)  # noqa: E731
+    params = jax.device_put(setup.start, device)
+    model_state = jax.device_put(setup.model_state if setup.has_state else (), device)
+    carry = one((params, tx.init(params), model_state))
     losses, auxes = [], []
     for batch in batches:
         outs = []
         for micro in _micro(batch, m):
-            params, opt_state, loss, aux = step(params, opt_state, jax.device_put(micro, device))
-            outs.append((loss, aux))
+            *carry, loss, aux = step(*carry, one(jax.device_put(micro, device)))
+            outs.append((loss[0], jax.tree.map(lambda x: x[0], aux)))
         losses.append(_mean([o[0] for o in outs]))
         auxes.append(jax.tree.map(lambda *xs: _mean(xs), *[o[1] for o in outs]))
-    return initial, {"params": jax.device_get(params)}, jax.device_get(losses), jax.device_get(auxes)
+    params, _, model_state = jax.tree.map(lambda x: x[0], jax.device_get(carry))
+    initial = {"params": jax.device_get(setup.start)}
+    final = {"params": params}
+    if setup.has_state:
+        initial["model_state"], final["model_state"] = jax.device_get(setup.model_state), model_state
+    return initial, final, jax.device_get(losses), jax.device_get(auxes)
 
 
 def _reference_model(loss_fn, tx, model, batches, m, has_aux, device):

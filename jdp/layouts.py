@@ -13,7 +13,7 @@ import optax
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jdp.mesh import DATA_AXIS, batch_sharded, replicated
+from jdp.mesh import batch_sharded, replicated
 from jdp.reduce import reduce_step_values
 from jdp.state import LocalAccum, TrainState
 
@@ -32,7 +32,7 @@ def state_tree(value, accum, kind) -> TrainState:
 class ShardMapLayout:
     """`jax.jit(jax.shard_map(...))` over a 1-D mesh: one global array per value.
 
-    State leaves are replicated (`P()`), the batch is split along `DATA_AXIS`, and a per-device
+    State leaves are replicated (`P()`), the batch is split along the mesh's axis, and a per-device
     accumulator is one (N, ...) array whose row d is device d's.
     """
 
@@ -41,14 +41,15 @@ class ShardMapLayout:
 
     def __init__(self, mesh: Mesh, accum: str | None):
         self.mesh, self.num_devices, self.accum = mesh, mesh.devices.size, accum
+        self.axis = mesh.axis_names[0]  # the one axis every collective of the step names
         self.state_shardings = state_tree(replicated(mesh), batch_sharded(mesh), accum)
-        self._specs = state_tree(P(), P(DATA_AXIS), accum)
+        self._specs = state_tree(P(), P(self.axis), accum)
 
     def per_device(self, params):
         # Replicated params are axis-invariant; differentiating w.r.t. them makes jax.grad sum the
         # gradient over devices itself (and pmean becomes the identity). Casting them to per-device
         # values outside the loss makes grad return this device's own gradient.
-        return lax.pcast(params, DATA_AXIS, to="varying")
+        return lax.pcast(params, self.axis, to="varying")
 
     def bind(self, params) -> bool:
         """Fit the layout to `params`' shapes; True if that changed `state_shardings` (never here)."""
@@ -58,7 +59,7 @@ class ShardMapLayout:
     # whole gradient and updates all the params; `jdp.zero.ShardedStateLayout` slices them.
     def reduce(self, grads, means, o):
         """`(grads, means)` reduced in one all-reduce: `reduce_step_values`' scales."""
-        return reduce_step_values(grads, means, o.reduction, o.reduce_dtype)
+        return reduce_step_values(grads, means, o.reduction, o.reduce_dtype, self.axis)
 
     def own(self, params):
         return params
@@ -119,7 +120,7 @@ class ShardMapLayout:
                             placed)
 
     def compile(self, device_step):
-        mapped = jax.shard_map(device_step, mesh=self.mesh, in_specs=(self._specs, P(DATA_AXIS)),
+        mapped = jax.shard_map(device_step, mesh=self.mesh, in_specs=(self._specs, P(self.axis)),
                                out_specs=(self._specs, P()), check_vma=True)
         return jax.jit(mapped, donate_argnums=0)
 
@@ -173,17 +174,18 @@ class PmapLayout(ShardMapLayout):
         # MLP on 2 devices, +32% step time); fresh output buffers need the same peak memory.
         devices = list(self.mesh.devices.flat)
         on_cpu = all(d.platform == "cpu" for d in devices)
-        return jax.pmap(device_step, axis_name=DATA_AXIS, devices=devices, out_axes=(0, None),
+        return jax.pmap(device_step, axis_name=self.axis, devices=devices, out_axes=(0, None),
                         donate_argnums=() if on_cpu else 0)
 
 
 LAYOUTS = {"shard_map": ShardMapLayout, "pmap": PmapLayout}
 
 
-def aux_shapes(loss, mesh: Mesh, params, model_state, device_batch):
-    """The structure of `loss`'s aux for one device's batch shapes, traced on the mesh (so that
-    collectives inside the loss, e.g. synchronised BatchNorm, have their axis)."""
+def aux_shapes(loss, mesh: Mesh, params, model_state, device_batch, part: int = 0):
+    """The structure of `loss`'s aux (`part=1`: its new model state) for one device's batch shapes,
+    traced on the mesh (so that collectives inside the loss, e.g. synchronised BatchNorm, have their axis)."""
     n = mesh.devices.size
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0] * n, *x.shape[1:]), x.dtype), device_batch)
-    traced = jax.shard_map(loss, mesh=mesh, in_specs=(P(), P(), P(DATA_AXIS), P()), out_specs=P(), check_vma=False)
-    return jax.eval_shape(traced, params, model_state, batch, jax.ShapeDtypeStruct((2,), jnp.uint32))[1][0]
+    traced = jax.shard_map(loss, mesh=mesh, in_specs=(P(), P(), P(mesh.axis_names[0]), P()), out_specs=P(),
+                           check_vma=False)
+    return jax.eval_shape(traced, params, model_state, batch, jax.ShapeDtypeStruct((2,), jnp.uint32))[1][part]

@@ -11,9 +11,21 @@ model.apply, params=params, tx=tx)`, a loss that calls `state.apply_fn({'params'
 The step is `jdp.make_train_step(loss_fn, train_state.tx, **options)`; its state starts from the
 TrainState's params and continues its optimizer state and step count, so N devices take the steps
 the one-device `train_state.apply_gradients` loop would have taken next on the same global batches.
+
+Flax's ImageNet pattern (a TrainState subclass with `batch_stats`, `nn.BatchNorm(axis_name='batch')`)
+runs as it is written: the `batch_stats` field is the model state, and `axis_name='batch'` makes jdp
+bind the axis the model reduces over:
+
+    def loss_fn(params, batch_stats, batch):
+        logits, new_model_state = state.apply_fn({'params': params, 'batch_stats': batch_stats},
+                                                 batch['image'], mutable=['batch_stats'])
+        return cross_entropy_loss(logits, batch['label']), new_model_state['batch_stats']
+
+    step, jstate = jdp.linen.make_train_step(state, loss_fn, axis_name='batch')
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable
 
@@ -28,22 +40,30 @@ from jdp.step import TrainStep, get_tree
 from jdp.step import make_train_step as make_array_step
 
 
-def make_train_step(train_state: flax_train_state.TrainState, loss_fn: Callable, *, model_state=(),
+def make_train_step(train_state: flax_train_state.TrainState, loss_fn: Callable, *, model_state=None,
                     seed: int = 0, **options) -> tuple[TrainStep, TrainState]:
     """A data-parallel step for `train_state`'s optimizer, and a jdp state that continues `train_state`.
 
     Args:
       train_state: a `flax.training.train_state.TrainState` (or a subclass); read, never modified.
         Its `tx` is the optimizer; its `params`, `opt_state` and `step` are where training continues.
+        A subclass with a `batch_stats` field (Flax's ImageNet example) carries it as the model
+        state: has_state is then on, and `loss_fn` takes and returns the statistics. A
+        `dynamic_scale` field must be None (jdp has no fp16 loss scaling; bf16 needs none).
       loss_fn: the loss written for one device, e.g. around `train_state.apply_fn`:
-        `loss_fn(params, batch) -> loss`, the MEAN over the examples it is given
-        (`(params, batch, rng)` with needs_rng, `(params, model_state, batch[, rng])` with
-        has_state, `(loss, aux)` with has_aux: see `jdp.make_train_step`).
-      model_state: has_state=True only: the initial non-parameter state (e.g. `batch_stats`).
+        `loss_fn(params, batch) -> loss`, the MEAN over the examples it is given;
+        `(params, batch_stats, batch) -> (loss, new_batch_stats)` with model state, where
+        `new_batch_stats` is `new_model_state['batch_stats']` of `apply(..., mutable=['batch_stats'])`
+        (the statistics themselves, not the dict around them); `(loss, aux)` /
+        `(loss, (aux, new_batch_stats))` with has_aux; a last `rng` argument with needs_rng. See
+        `jdp.make_train_step`.
+      model_state: the initial non-parameter state, when it is not a `batch_stats` field of
+        `train_state` (then pass has_state=True too); default: `train_state.batch_stats` if present.
       seed: the base key of `needs_rng`'s per-device, per-step keys.
       **options: those of `jdp.make_train_step` (backend, devices, accum_steps, accum_sync,
-        has_aux, needs_rng, has_state, skip_nonfinite, grad_norm, mask_key). reduction='sum' is
-        refused: the continued optimizer state holds statistics of mean gradients.
+        has_aux, needs_rng, has_state, skip_nonfinite, grad_norm, mask_key, axis_name: e.g.
+        'batch' for a model whose BatchNorm has axis_name='batch', sync_batchnorm). reduction='sum'
+        is refused: the continued optimizer state holds statistics of mean gradients.
 
     Returns:
       `(step, state)`: a `jdp.TrainStep` and its state, `state, metrics = step(state, batch)`.
@@ -53,6 +73,7 @@ def make_train_step(train_state: flax_train_state.TrainState, loss_fn: Callable,
         raise ValueError(f"jdp.linen continues train_state.opt_state, whose statistics are of mean gradients, so it "
                          f"needs reduction='mean'; reduction={options['reduction']!r} would feed that state N× "
                          f"gradients (lr_correction only rescales the update).")
+    model_state, options = _model_state(train_state, model_state, options)
     _check_arity(loss_fn, 2 + bool(options.get("needs_rng")) + bool(options.get("has_state")), options)
     _check_opt_state(train_state)
     step = make_array_step(loss_fn, train_state.tx, **options)
@@ -67,8 +88,34 @@ def make_train_step(train_state: flax_train_state.TrainState, loss_fn: Callable,
     return step, step.place(canonical, fresh)
 
 
+def _model_state(train_state, model_state, options: dict) -> tuple[object, dict]:
+    """The initial model state and the options with has_state resolved: a `batch_stats` field
+    turns it on; an explicit `model_state` needs has_state=True; dynamic_scale is refused."""
+    if getattr(train_state, "dynamic_scale", None) is not None:
+        raise ValueError("train_state.dynamic_scale is set, but jdp has no fp16 loss scaling (bfloat16, "
+                         "precision='bf16', has float32's range and needs none): create the TrainState with "
+                         "dynamic_scale=None.")
+    stats = getattr(train_state, "batch_stats", None)
+    has_field = _has_batch_stats(train_state)
+    if model_state is None and has_field and jax.tree.leaves(stats):
+        if options.get("has_state") is False:
+            raise ValueError("train_state has batch_stats, which a BatchNorm updates on every step: drop "
+                             "has_state=False, and let loss_fn take and return them, "
+                             "loss_fn(params, batch_stats, batch) -> (loss, new_batch_stats).")
+        return stats, {**options, "has_state": True}
+    if options.get("has_state") and (model_state is None or not jax.tree.leaves(model_state)):
+        raise ValueError("has_state=True needs the model state the loss takes: pass model_state=... (e.g. "
+                         "variables['batch_stats']), or a TrainState subclass with a batch_stats field.")
+    return (() if model_state is None else model_state), options
+
+
+def _has_batch_stats(train_state) -> bool:
+    return "batch_stats" in {f.name for f in dataclasses.fields(train_state)}
+
+
 def to_train_state(train_state: flax_train_state.TrainState, state: TrainState) -> flax_train_state.TrainState:
-    """`train_state` with the trained params, optimizer state and step count of jdp's `state`.
+    """`train_state` with the trained params, optimizer state, step count and (a `batch_stats`
+    field) BatchNorm statistics of jdp's `state`.
 
     The values are host numpy arrays (one copy, original shapes and dtypes; `step` keeps the type
     `train_state.step` has), so one-device code, e.g. `train_state.apply_gradients`, continues
@@ -95,7 +142,10 @@ def to_train_state(train_state: flax_train_state.TrainState, state: TrainState) 
                          "to_train_state after the step's last micro-batch.")
     step = get_tree(state, state.step)
     step = int(step) if isinstance(train_state.step, int) else np.asarray(step, np.asarray(train_state.step).dtype)
-    return train_state.replace(step=step, params=get_tree(state, state.params), opt_state=opt_state)
+    trained = {"step": step, "params": get_tree(state, state.params), "opt_state": opt_state}
+    if _has_batch_stats(train_state) and jax.tree.leaves(state.model_state):
+        trained["batch_stats"] = get_tree(state, state.model_state)
+    return train_state.replace(**trained)
 
 
 def _check_train_state(train_state) -> None:

@@ -8,11 +8,12 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 DATA_AXIS = "data"
-"""The one mesh axis jdp reduces over; every collective names it."""
+"""The default name of the one mesh axis jdp reduces over (`axis_name=` changes it); every collective names it."""
 
 
-def make_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A 1-D mesh of `devices` (default: all devices; `jax.Device`s or their integer ids) along `DATA_AXIS`.
+def make_mesh(devices: Sequence[jax.Device] | None = None, axis_name: str = DATA_AXIS) -> Mesh:
+    """A 1-D mesh of `devices` (default: all devices; `jax.Device`s or their integer ids) along one axis,
+    `axis_name` (default `DATA_AXIS`; e.g. "batch" for code that already reduces over that name).
 
     Built with `Mesh(...)` rather than `jax.make_mesh`, whose axes are Explicit: jdp's values are
     either fully replicated or split along the batch, which Auto axes express directly.
@@ -22,7 +23,7 @@ def make_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:
         raise ValueError("devices is empty; pass None for all devices or a non-empty list.")
     if len({d.id for d in devices}) != len(devices):
         raise ValueError(f"devices {[d.id for d in devices]} contains duplicates; each device may appear once.")
-    return Mesh(np.array(devices), (DATA_AXIS,))
+    return Mesh(np.array(devices), (axis_name,))
 
 
 def _device(d) -> jax.Device:
@@ -43,5 +44,5 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def batch_sharded(mesh: Mesh) -> NamedSharding:
-    """The leading axis is split evenly over `DATA_AXIS` (a global batch, or pmap's stacked copies)."""
-    return NamedSharding(mesh, P(DATA_AXIS))
+    """The leading axis is split evenly over the mesh's axis (a global batch, or pmap's stacked copies)."""
+    return NamedSharding(mesh, P(mesh.axis_names[0]))

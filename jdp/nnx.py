@@ -46,7 +46,7 @@ class SplitModel:
     streams: tuple[str, ...]  # the tags of the stored rng streams
 
     @classmethod
-    def of(cls, model: nnx.Module, sync_batchnorm: bool) -> SplitModel:
+    def of(cls, model: nnx.Module, sync_batchnorm: bool, axis_name: str = DATA_AXIS) -> SplitModel:
         if not isinstance(model, nnx.Module):
             raise ValueError(f"model must be an nnx.Module, got {type(model).__name__}; for Linen, see "
                              f"jdp.linen.make_train_step.")
@@ -54,7 +54,7 @@ class SplitModel:
         if sync_batchnorm:
             for _, module in nnx.iter_modules(copy):
                 if isinstance(module, nnx.BatchNorm):
-                    module.axis_name = DATA_AXIS
+                    module.axis_name = axis_name
         graphdef, params, rng_state, rest = nnx.split(copy, nnx.Param, nnx.RngState, ...)
         streams = tuple(sorted({n.tag for _, n in nnx.iter_graph(copy) if isinstance(n, nnx.RngStream)}))
         copy.eval()
@@ -123,19 +123,21 @@ def make_train_step(model: nnx.Module, loss_fn: Callable, optimizer, *, sync_bat
         device's. False keeps each device's own statistics, as PyTorch DDP without SyncBatchNorm:
         NOT equal to one device.
       **options: those of `jdp.make_train_step` (backend, reduction, lr_correction, devices,
-        accum_steps, accum_sync, skip_nonfinite, grad_norm, mask_key).
+        accum_steps, accum_sync, skip_nonfinite, grad_norm, mask_key, axis_name: the mesh axis
+        that jdp binds and sets as every BatchNorm's axis_name).
 
     Returns:
       An `NnxTrainStep`: `state = step.init(seed=0)`, `state, metrics = step(state, batch)`.
     """
-    split = SplitModel.of(model, sync_batchnorm)
+    split = SplitModel.of(model, sync_batchnorm, options.get("axis_name", DATA_AXIS))
     _check_arity(loss_fn, 3 if needs_rng else 2, "(model, batch, rngs)" if needs_rng else "(model, batch)")
     for name in ("has_state", "needs_rng", "has_aux"):
         if name in options:
             raise ValueError(f"{name} is set by jdp.nnx.make_train_step from the model; do not pass it.")
     tx = _transformation(optimizer, split.params)
     device_loss = _device_loss(split, loss_fn, has_aux=has_aux, needs_rng=needs_rng)
-    step = make_array_step(device_loss, tx, has_aux=has_aux, has_state=True, needs_rng=True, **options)
+    step = make_array_step(device_loss, tx, has_aux=has_aux, has_state=True, needs_rng=True,
+                           sync_batchnorm=sync_batchnorm, **options)
     return NnxTrainStep(step, split)
 
 
@@ -159,7 +161,7 @@ def task(model: nnx.Module, loss_fn: Callable, metric_fn: Callable, train, test=
     trainer_loss = inner if has_aux else lambda *args: (lambda out: (out[0], ({}, out[1])))(inner(*args))
     as_dataset = lambda d: d if d is None or isinstance(d, ArrayDataset) else ArrayDataset(dict(d))  # noqa: E731
     return Task(split.params, split.rest, trainer_loss, split.metric_adapter(metric_fn), as_dataset(train),
-                as_dataset(test), description or f"{type(model).__name__} (your model)")
+                as_dataset(test), description or f"{type(model).__name__} (your model)", sync_batchnorm)
 
 
 def _device_loss(split: SplitModel, loss_fn, *, has_aux: bool, needs_rng: bool):

@@ -94,11 +94,11 @@ class OptimizerSpec:
         lr = self.lr_schedule()
         return float(lr(step)) if callable(lr) else float(lr)
 
-    def build(self, sharded: bool = False) -> optax.GradientTransformation:
+    def build(self, sharded: bool = False, axis: str = "data") -> optax.GradientTransformation:
         """The optax chain: `clip_by_global_norm` (if set), then the optimizer with `lr_schedule()`.
 
         `sharded`: the gradient arrives in slices over the devices (shard_optimizer_state), so the
-        clipping norm is computed from every device's slice (`jdp.zero.clip_by_global_norm`).
+        clipping norm is computed from every device's slice over mesh axis `axis` (`jdp.zero.clip_by_global_norm`).
         """
         lr = self.lr_schedule()
         if self.name == "sgd":
@@ -113,7 +113,7 @@ class OptimizerSpec:
             return opt
         if sharded:
             from jdp.zero import clip_by_global_norm  # the sharded layout's module: needs the mesh axis
-            return optax.chain(clip_by_global_norm(self.clip_norm), opt)
+            return optax.chain(clip_by_global_norm(self.clip_norm, axis), opt)
         return optax.chain(optax.clip_by_global_norm(self.clip_norm), opt)
 
     def replace(self, **changes) -> OptimizerSpec:
@@ -144,12 +144,12 @@ def exact_sum_spec(spec: OptimizerSpec, num_devices: int) -> OptimizerSpec:
 
 
 def for_reduction(optimizer: optax.GradientTransformation | OptimizerSpec, lr_correction: str,
-                  num_devices: int, sharded: bool = False) -> optax.GradientTransformation:
+                  num_devices: int, sharded: bool = False, axis: str = "data") -> optax.GradientTransformation:
     """The transformation that consumes a gradient reduced over `num_devices`, with the psum correction applied.
 
     `lr_correction` (resolved; see `jdp.options.StepOptions`): "none" builds `optimizer` as it is;
     "auto" scales every update by 1/N; "exact" builds `exact_sum_spec(optimizer, N)`, which needs
-    an `OptimizerSpec`. `sharded`: see `OptimizerSpec.build`.
+    an `OptimizerSpec`. `sharded`, `axis`: see `OptimizerSpec.build`.
     """
     if lr_correction not in LR_CORRECTIONS:
         raise ValueError(f"lr_correction={lr_correction!r} is not supported; use one of {LR_CORRECTIONS}.")
@@ -157,8 +157,8 @@ def for_reduction(optimizer: optax.GradientTransformation | OptimizerSpec, lr_co
         if not isinstance(optimizer, OptimizerSpec):
             raise ValueError("lr_correction='exact' needs a jdp.OptimizerSpec (it changes the spec's "
                              "scale-dependent hyperparameters), not a bare optax transformation.")
-        return exact_sum_spec(optimizer, num_devices).build(sharded)
-    tx = optimizer.build(sharded) if isinstance(optimizer, OptimizerSpec) else optimizer
+        return exact_sum_spec(optimizer, num_devices).build(sharded, axis)
+    tx = optimizer.build(sharded, axis) if isinstance(optimizer, OptimizerSpec) else optimizer
     if lr_correction == "auto":
         # Every optax update is linear in the learning rate, so scaling the update by 1/N is
         # lr/N for any optimizer: exact for SGD and momentum, wrong for Adam (see jdp explain).

@@ -47,6 +47,8 @@ class StepOptions:
     precision: str = "float32"  # compute dtype of forward and backward: "float32" or "bfloat16"
     reduce_dtype: str | None = None  # dtype the gradient is all-reduced in; None: the gradient's own
     shard_optimizer_state: bool = False  # ZeRO-1: each device keeps 1/N of the optimizer state
+    axis_name: str = "data"  # the mesh axis the step binds; code that reduces over "batch" passes "batch"
+    sync_batchnorm: bool = True  # model state out of the loss must agree on every device (checked)
 
     def __post_init__(self):
         for field, choices in (("backend", BACKENDS), ("reduction", REDUCTIONS), ("accum_sync", ACCUM_SYNCS)):
@@ -54,12 +56,16 @@ class StepOptions:
                 raise OptionError(field, f"{field}={getattr(self, field)!r} is not supported; use one of {choices}.")
         if not _is_int(self.accum_steps) or self.accum_steps < 1:
             raise OptionError("accum_steps", f"accum_steps={self.accum_steps!r} must be an integer of at least 1.")
-        for field in ("has_aux", "needs_rng", "has_state", "skip_nonfinite", "grad_norm", "shard_optimizer_state"):
+        for field in ("has_aux", "needs_rng", "has_state", "skip_nonfinite", "grad_norm", "shard_optimizer_state",
+                      "sync_batchnorm"):
             if not isinstance(getattr(self, field), (bool, np.bool_)):
                 raise OptionError(field, f"{field}={getattr(self, field)!r} must be True or False.")
         if self.shard_optimizer_state and self.backend != "shard_map":
             raise OptionError("shard_optimizer_state", f"shard_optimizer_state=True needs backend='shard_map' "
                               f"(got {self.backend!r}): pmap keeps a whole copy of the state on every device.")
+        if not isinstance(self.axis_name, str) or not self.axis_name.isidentifier():
+            raise OptionError("axis_name", f"axis_name={self.axis_name!r} must be a mesh axis name: a non-empty "
+                              f"identifier such as 'data' or 'batch'.")
         if self.mask_key is not None and not isinstance(self.mask_key, str):
             raise OptionError("mask_key", f"mask_key={self.mask_key!r} must be a string or None.")
         for field, allow_none in (("precision", False), ("reduce_dtype", True)):

@@ -1,4 +1,4 @@
-"""Cross-device reductions over `DATA_AXIS`. Each one says the scale of what it returns.
+"""Cross-device reductions over the mesh axis `axis` (default `DATA_AXIS`). Each one says the scale of what it returns.
 
 These run inside the per-device step (under `shard_map` or `pmap`), where every device holds the
 mean loss and gradient over its own b examples. Each function issues ONE all-reduce for its whole
@@ -21,18 +21,18 @@ def low_precision(x) -> bool:
     return x.dtype in (jnp.float16, jnp.bfloat16)
 
 
-def _psum_scaled(tree, divide_before, divide_after):
+def _psum_scaled(tree, divide_before, divide_after, axis: str):
     """psum of `tree` in one all-reduce, dividing by N before or after per leaf as flagged."""
-    n = lax.axis_size(DATA_AXIS)
+    n = lax.axis_size(axis)
     leaves, treedef = jax.tree.flatten(tree)
     sent = [x / n if before else x for x, before in zip(leaves, divide_before)]
-    summed = lax.psum(sent, DATA_AXIS)
+    summed = lax.psum(sent, axis)
     out = [s / n if after else s for s, after in zip(summed, divide_after)]
     return jax.tree.unflatten(treedef, out)
 
 
-def mean_over_devices(tree):
-    """Mean over the N devices of `DATA_AXIS`, leaf by leaf, in one all-reduce.
+def mean_over_devices(tree, axis: str = DATA_AXIS):
+    """Mean over the N devices of `axis`, leaf by leaf, in one all-reduce.
 
     Given per-device means over b examples each, the result is the mean over all N·b examples:
     the value one device would compute on the whole global batch. fp16/bf16 leaves are divided by
@@ -40,16 +40,16 @@ def mean_over_devices(tree):
     leaves are summed, then divided (exactly `lax.pmean`).
     """
     low = [low_precision(x) for x in jax.tree.leaves(tree)]
-    return _psum_scaled(tree, low, [not lo for lo in low])
+    return _psum_scaled(tree, low, [not lo for lo in low], axis)
 
 
-def sum_over_devices(tree):
-    """Sum over the N devices of `DATA_AXIS`: N times `mean_over_devices` (the psum variant)."""
+def sum_over_devices(tree, axis: str = DATA_AXIS):
+    """Sum over the N devices of `axis`: N times `mean_over_devices` (the psum variant)."""
     n_leaves = len(jax.tree.leaves(tree))
-    return _psum_scaled(tree, [False] * n_leaves, [False] * n_leaves)
+    return _psum_scaled(tree, [False] * n_leaves, [False] * n_leaves, axis)
 
 
-def reduce_step_values(grads, means, reduction: str, reduce_dtype=None):
+def reduce_step_values(grads, means, reduction: str, reduce_dtype=None, axis: str = DATA_AXIS):
     """Reduce one step's gradients (by `reduction`) and other values (by mean) in one all-reduce.
 
     Returns `(grads, means)`: with "mean" the gradient of the mean loss over all N·b examples, with
@@ -67,6 +67,6 @@ def reduce_step_values(grads, means, reduction: str, reduce_dtype=None):
     low = [low_precision(x) for x in jax.tree.leaves((grads, means))]
     divide = [reduction == "mean" or not g for g in is_grad]  # a mean divides by N once
     grads, means = _psum_scaled((grads, means), [d and lo for d, lo in zip(divide, low)],
-                                [d and not lo for d, lo in zip(divide, low)])
+                                [d and not lo for d, lo in zip(divide, low)], axis)
     leaves, treedef = jax.tree.flatten(grads)
     return jax.tree.unflatten(treedef, [g.astype(d) for g, d in zip(leaves, own)]), means

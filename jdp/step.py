@@ -18,7 +18,8 @@ import optax
 from jdp.algorithm import Step, batch_rows, call_loss, device_step
 from jdp.cpu import RunAhead
 from jdp.layouts import LAYOUTS, UNSIZED, aux_shapes
-from jdp.mesh import batch_sharded, make_mesh
+from jdp.mesh import DATA_AXIS, batch_sharded, make_mesh
+from jdp.model_state import check_agreement, check_structure, spread_over_devices
 from jdp.optim import OptimizerSpec, for_reduction
 from jdp.options import StepOptions
 from jdp.precision import check_master_params, in_precision
@@ -35,7 +36,7 @@ class TrainStep:
         if not callable(loss_fn):
             raise ValueError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
         self.options = o = options
-        self.mesh = make_mesh(devices)
+        self.mesh = make_mesh(devices, o.axis_name)
         self.devices = list(self.mesh.devices.flat)
         self.num_devices = len(self.devices)
         self.local_devices = len(self.mesh.local_devices)  # this process's share of the mesh
@@ -47,7 +48,9 @@ class TrainStep:
         accum = "per_device" if o.local_accum else "replicated" if o.multi_steps else None
         self.layout = (ShardedStateLayout(self.mesh, accum, self.optimizer) if o.shard_optimizer_state
                        else LAYOUTS[o.backend](self.mesh, accum))
-        self._loss = in_precision(partial(call_loss, loss_fn, o), o.precision, o.mask_key)
+        self._declared_loss = partial(call_loss, loss_fn, o)  # as loss_fn declares it, before any cast
+        self._loss = in_precision(self._declared_loss, o.precision, o.mask_key)
+        self._model_state_checked = not o.has_state  # checked at the first call (see `_check_model_state`)
         self._step = self.layout.compile(partial(self._traced, Step(self._loss, self.optimizer, o, self.layout)))
         self._init = None  # built by init, once the layout knows the params' shapes
         self.run_ahead = RunAhead(self.devices)  # bounds steps in flight on CPU devices (see jdp.cpu)
@@ -98,6 +101,27 @@ class TrainStep:
         empty = jax.jit(lambda: self.layout.empty_accum(one.params, aux), out_shardings=self.layout.state_shardings.accum)
         return state.replace(accum=empty())
 
+    def _check_model_state(self, state: TrainState, placed) -> None:
+        """First call: the loss must hand back the model state in the structure it was given, and
+        (sync_batchnorm=True) equal on every device, or averaging it would not be one device's step.
+
+        The agreement check runs the loss's forward pass once more on this batch, compiled once:
+        about the cost of compiling the forward pass, on the first call only.
+        """
+        one = jax.tree.map(lambda x: x[0], state) if state.stacked else state
+        if not jax.tree.leaves(one.model_state):
+            self._model_state_checked = True
+            return
+        batch = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), placed) if state.stacked else placed
+        returned = aux_shapes(self._declared_loss, self.mesh, one.params, one.model_state,
+                              self.layout.device_batch(placed), part=1)
+        check_structure(one.model_state, returned)
+        if self.options.sync_batchnorm:
+            spread, scale = spread_over_devices(self._loss, self.mesh, one.params, one.model_state, batch, one.rng,
+                                                one.micro_step)
+            check_agreement(spread, scale, self.mesh.axis_names[0])
+        self._model_state_checked = True
+
     def shard_batch(self, batch):
         """Validate a global (micro-)batch (leading axis N·b on every leaf) and place it on the devices.
 
@@ -145,6 +169,8 @@ class TrainStep:
         self._check_state(state)
         batch = self.shard_batch(batch)
         state = self._sized(state, batch)
+        if not self._model_state_checked:
+            self._check_model_state(state, batch)
         self.run_ahead.wait()
         state, metrics = self._step(state, batch)
         self.run_ahead.launched(metrics["micro_step"])
@@ -181,9 +207,9 @@ class TrainStep:
 def step_optimizer(optimizer, o: StepOptions, n: int) -> optax.GradientTransformation:
     """The transformation the step applies to the reduced gradient: `optimizer` with the psum
     correction, checked elementwise if its state is sharded, in optax.MultiSteps for "every"."""
-    tx = for_reduction(optimizer, o.lr_correction, n, o.shard_optimizer_state)
+    tx = for_reduction(optimizer, o.lr_correction, n, o.shard_optimizer_state, o.axis_name)
     if o.shard_optimizer_state:
-        check_elementwise(tx)
+        check_elementwise(tx, o.axis_name)
     return optax.MultiSteps(tx, every_k_schedule=o.accum_steps).gradient_transformation() if o.multi_steps else tx
 
 
@@ -220,7 +246,8 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation |
                     needs_rng: bool = False, has_state: bool = False, mask_key: str | None = "mask",
                     accum_steps: int = 1, accum_sync: str = "every", skip_nonfinite: bool = False,
                     grad_norm: bool = True, precision="float32", reduce_dtype=None,
-                    shard_optimizer_state: bool = False) -> TrainStep:
+                    shard_optimizer_state: bool = False, axis_name: str = DATA_AXIS,
+                    sync_batchnorm: bool = True) -> TrainStep:
     """Build a data-parallel training step.
 
     Args:
@@ -271,6 +298,15 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation |
         ring traffic as the all-reduce, the same step (`jdp.zero`). The optimizer must be
         elementwise (checked; global-norm clipping through `OptimizerSpec(clip_norm=...)` is
         exact). Checkpoints (`canonical`) are the same as the replicated layout's.
+      axis_name: the name of the mesh axis the step binds and reduces over (default "data"). Code
+        that already reduces over its own axis, e.g. Flax's examples with `nn.BatchNorm(axis_name=
+        'batch')` or `lax.pmean(x, 'batch')` inside the loss, runs unchanged with `axis_name='batch'`;
+        a loss that reduces over an axis the step does not bind is refused, naming both.
+      sync_batchnorm: has_state only. True (default): the new model state must come out of the loss
+        the same on every device (synchronised BatchNorm); the first call checks it and refuses
+        per-device statistics, naming the leaf. False accepts per-device statistics, averaged over
+        the devices each call (PyTorch DDP without SyncBatchNorm): NOT one device's step. Either
+        way the new state must have the structure, shapes and dtypes of the state given.
 
     Returns:
       A `TrainStep`: `state = step.init(params)`, `state, metrics = step(state, batch)` where the
@@ -279,7 +315,8 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation |
     options = StepOptions(backend=backend, reduction=reduction, lr_correction=lr_correction, has_aux=has_aux,
                           needs_rng=needs_rng, has_state=has_state, mask_key=mask_key, accum_steps=accum_steps,
                           accum_sync=accum_sync, skip_nonfinite=skip_nonfinite, grad_norm=grad_norm,
-                          precision=precision, reduce_dtype=reduce_dtype, shard_optimizer_state=shard_optimizer_state)
+                          precision=precision, reduce_dtype=reduce_dtype, shard_optimizer_state=shard_optimizer_state,
+                          axis_name=axis_name, sync_batchnorm=sync_batchnorm)
     return TrainStep(loss_fn, optimizer, options, devices)
 
 

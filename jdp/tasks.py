@@ -1,6 +1,7 @@
 """What to train, built from a config: model, data, loss and evaluation metrics as plain functions."""
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +29,7 @@ class Task:
     train: ArrayDataset
     test: ArrayDataset | None  # evaluated at eval steps; None: no held-out set
     description: str
+    sync_batchnorm: bool = True  # False: the model keeps per-device statistics (the step's sync_batchnorm)
 
 
 def _masked_mean(values, batch):
@@ -193,4 +195,6 @@ def build_task(config) -> Task:
     else:
         in_dim = int(np.prod(train.arrays["x"].shape[1:]))
         model = MLP([in_dim, *m.hidden, n_classes], dtype=dtype, rngs=rngs)
-    return _classifier(functional(model), f"{m.name} on {d.name} ({n_classes} classes)", train, test)
+    task = _classifier(functional(model), f"{m.name} on {d.name} ({n_classes} classes)", train, test)
+    # The CNN without sync_batchnorm keeps per-device statistics, which the step must then accept.
+    return dataclasses.replace(task, sync_batchnorm=m.name != "cnn" or m.sync_batchnorm)

@@ -43,8 +43,8 @@ class Slices:
     c_i = ceil(s_i / N), and device d holds elements [d·c_i, (d+1)·c_i) of it.
     """
 
-    def __init__(self, params, n: int):
-        self.n = n
+    def __init__(self, params, n: int, axis: str = DATA_AXIS):
+        self.n, self.axis = n, axis
         self.struct = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), params)
         self.leaves, self.treedef = jax.tree.flatten(self.struct)
         self.sizes = [int(np.prod(x.shape, dtype=np.int64)) for x in self.leaves]
@@ -62,7 +62,7 @@ class Slices:
 
     def own(self, tree):
         """This device's (c_i,) slice of every leaf (inside the mapped step)."""
-        d = lax.axis_index(DATA_AXIS)
+        d = lax.axis_index(self.axis)
         leaves = self.treedef.flatten_up_to(tree)
         return self.treedef.unflatten([lax.dynamic_slice_in_dim(self.padded(x, c), d * c, c)
                                        for x, c in zip(leaves, self.chunks)])
@@ -84,7 +84,7 @@ class Slices:
             buf = jnp.concatenate([self.padded(leaves[i], self.chunks[i]).reshape(self.n, -1) for i in idx], axis=1)
             before = mean and low_precision(buf)
             buf = buf / self.n if before else buf
-            row = lax.psum_scatter(buf.reshape(-1), DATA_AXIS, scatter_dimension=0, tiled=True)
+            row = lax.psum_scatter(buf.reshape(-1), self.axis, scatter_dimension=0, tiled=True)
             row = row / self.n if mean and not before else row
             for i, part in zip(idx, jnp.split(row, np.cumsum([self.chunks[i] for i in idx])[:-1])):
                 out[i] = part.astype(own[i])
@@ -96,7 +96,7 @@ class Slices:
         out = [None] * len(parts)
         for dtype in dict.fromkeys(x.dtype for x in parts):
             idx = [i for i, x in enumerate(parts) if x.dtype == dtype]
-            rows = lax.all_gather(jnp.concatenate([parts[i] for i in idx]), DATA_AXIS, tiled=True).reshape(self.n, -1)
+            rows = lax.all_gather(jnp.concatenate([parts[i] for i in idx]), self.axis, tiled=True).reshape(self.n, -1)
             cols = jnp.split(rows, np.cumsum([self.chunks[i] for i in idx])[:-1], axis=1)
             for i, block in zip(idx, cols):
                 out[i] = block.reshape(-1)[:self.sizes[i]].reshape(self.leaves[i].shape)
@@ -104,26 +104,26 @@ class Slices:
 
     def real(self, x, c: int, leaf):
         """This device's (c,) slice `x` of `leaf` with its padding slots zeroed (inside the mapped step)."""
-        index = lax.axis_index(DATA_AXIS) * c + jnp.arange(c)
+        index = lax.axis_index(self.axis) * c + jnp.arange(c)
         return jnp.where(index < leaf.size, x, jnp.zeros_like(x))
 
     def chunk_tree(self):
         return self.treedef.unflatten(self.chunks)
 
 
-def squared_norm_everywhere(tree) -> jax.Array:
+def squared_norm_everywhere(tree, axis: str = DATA_AXIS) -> jax.Array:
     """Σ x² over this device's slices of `tree`, summed over the devices: one scalar all-reduce."""
     local = sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree))
-    return lax.psum(local, DATA_AXIS)
+    return lax.psum(local, axis)
 
 
-def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
-    """`optax.clip_by_global_norm` for a gradient sharded over `DATA_AXIS`: the same rule, with the
+def clip_by_global_norm(max_norm: float, axis: str = DATA_AXIS) -> optax.GradientTransformation:
+    """`optax.clip_by_global_norm` for a gradient sharded over `axis`: the same rule, with the
     norm of the whole gradient (from every device's slices, one scalar all-reduce)."""
 
     def update(updates, state, params=None):
         del params
-        norm = jnp.sqrt(squared_norm_everywhere(updates))
+        norm = jnp.sqrt(squared_norm_everywhere(updates, axis))
         clip = lambda t: lax.select(norm < max_norm, t, (t / norm.astype(t.dtype)) * max_norm)  # noqa: E731
         return jax.tree.map(clip, updates), state
 
@@ -143,13 +143,13 @@ class ShardedStateLayout(ShardMapLayout):
 
     def bind(self, params) -> bool:
         """Cut `params`' leaves over the devices; True if this changed the state's layout."""
-        slices = Slices(params, self.num_devices)
+        slices = Slices(params, self.num_devices, self.axis)
         if self.slices is not None and (slices.treedef, slices.leaves) == (self.slices.treedef, self.slices.leaves):
             return False
         opt = jax.eval_shape(self.optimizer.init, slices.flat_struct())
-        specs = optax.tree_map_params(self.optimizer, lambda _: P(DATA_AXIS), opt, transform_non_params=lambda _: P())
+        specs = optax.tree_map_params(self.optimizer, lambda _: P(self.axis), opt, transform_non_params=lambda _: P())
         self.slices, self._jitted = slices, None
-        self._specs = state_tree(P(), P(DATA_AXIS), self.accum).replace(opt_state=specs)
+        self._specs = state_tree(P(), P(self.axis), self.accum).replace(opt_state=specs)
         self.state_shardings = jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), self._specs,
                                             is_leaf=lambda x: isinstance(x, P))
         return True
@@ -160,7 +160,7 @@ class ShardedStateLayout(ShardMapLayout):
     def reduce(self, grads, means, o):
         """This device's slice of the reduced gradient (one reduce-scatter), and the means (one
         small all-reduce). Scales as `reduce_step_values`: "mean" averages, "sum" sums."""
-        return self.slices.scatter(grads, o.reduction == "mean", o.reduce_dtype), mean_over_devices(means)
+        return self.slices.scatter(grads, o.reduction == "mean", o.reduce_dtype), mean_over_devices(means, self.axis)
 
     def own(self, params):
         return self.slices.own(params)
@@ -170,10 +170,10 @@ class ShardedStateLayout(ShardMapLayout):
 
     def everywhere(self, flag):
         """True on every device iff `flag` is True on all of them (one scalar all-reduce)."""
-        return lax.psum(jnp.logical_not(flag).astype(jnp.int32), DATA_AXIS) == 0
+        return lax.psum(jnp.logical_not(flag).astype(jnp.int32), self.axis) == 0
 
     def global_norm(self, grads):
-        return jnp.sqrt(squared_norm_everywhere(grads))
+        return jnp.sqrt(squared_norm_everywhere(grads, self.axis))
 
     def without_padding(self, grads, params, opt_state):
         """Padding slots zeroed: an optimizer may turn their zero gradient into a NaN (Adam with
@@ -207,7 +207,7 @@ class ShardedStateLayout(ShardMapLayout):
             raise ValueError("the step's optimizer state is sharded by the params' shapes: make the state with "
                              "step.init(params) first.")
         if self._jitted is None:
-            mapped = jax.shard_map(self._device_step, mesh=self.mesh, in_specs=(self._specs, P(DATA_AXIS)),
+            mapped = jax.shard_map(self._device_step, mesh=self.mesh, in_specs=(self._specs, P(self.axis)),
                                    out_specs=(self._specs, P()), check_vma=False)
             self._jitted = jax.jit(mapped, donate_argnums=0)
         return self._jitted
@@ -230,9 +230,9 @@ _PROBE_DEVICES = 3  # slices of 5, 12 and 1 elements: none divides evenly, so pa
 _PROBE_SCALES = (1e-3, 1.0, 1e8)  # gradient sizes of the probe's steps: 1e8 engages any clipping threshold
 
 
-def _probe_elementwise(tx: optax.GradientTransformation) -> bool:
+def _probe_elementwise(tx: optax.GradientTransformation, axis: str = DATA_AXIS) -> bool:
     """Whether three updates of `tx` on N slices of a gradient equal the slices of its updates on the
-    whole gradient (to float32 rounding). Both run under `jax.vmap` over `DATA_AXIS`, so a part
+    whole gradient (to float32 rounding). Both run under `jax.vmap` over `axis`, so a part
     that reduces over the devices (this module's `clip_by_global_norm`) sees its axis."""
     rng = np.random.default_rng(0)
     params = {"a": rng.normal(size=(5,)), "b": rng.normal(size=(3, 4)), "c": rng.normal(size=())}
@@ -249,7 +249,7 @@ def _probe_elementwise(tx: optax.GradientTransformation) -> bool:
             steps.append(updates)
         return steps
 
-    run = jax.jit(jax.vmap(train, axis_name=DATA_AXIS))
+    run = jax.jit(jax.vmap(train, axis_name=axis))
     cut = lambda tree: jax.tree.map(lambda x, c: slices.padded(x, c).reshape(_PROBE_DEVICES, c), tree,  # noqa: E731
                                     slices.chunk_tree())
     try:
@@ -286,14 +286,14 @@ def _name(tx: optax.GradientTransformation) -> str:
     return f"optax.{name}" if hasattr(optax, name) else name
 
 
-def check_elementwise(tx: optax.GradientTransformation) -> None:
+def check_elementwise(tx: optax.GradientTransformation, axis: str = DATA_AXIS) -> None:
     """Refuse, in one sentence naming its part, an optimizer whose update of a slice of the gradient
     is not that slice of its update: a sharded optimizer state would change its step."""
-    if _probe_elementwise(tx):
+    if _probe_elementwise(tx, axis):
         return
     culprit = tx
     while True:
-        failing = [part for part in _parts(culprit) if not _probe_elementwise(part)]
+        failing = [part for part in _parts(culprit) if not _probe_elementwise(part, axis)]
         if not failing:
             break
         culprit = failing[0]

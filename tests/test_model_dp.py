@@ -28,9 +28,9 @@ def lm_loss(fm):
     return loss_fn
 
 
-def train(fm, loss_fn, data, n, backend="shard_map", needs_rng=False):
+def train(fm, loss_fn, data, n, backend="shard_map", needs_rng=False, **options):
     step = jdp.make_train_step(loss_fn, optax.sgd(0.1), backend=backend, devices=jax.devices()[:n],
-                               has_state=True, needs_rng=needs_rng)
+                               has_state=True, needs_rng=needs_rng, **options)
     state = step.init(fm.params, fm.rest)
     for batch in data:
         state, _ = step(state, batch)
@@ -68,7 +68,11 @@ def test_cnn_sync_batchnorm_equals_one_device_and_local_does_not(backend):
     sync_params, sync_stats = train(synced, classifier_loss(synced), data, 4, backend)
     assert max_abs_diff(one_params, sync_params) <= 2e-5
     assert max_abs_diff(one_stats, sync_stats) <= 2e-5
-    local_params, local_stats = train(single, classifier_loss(single), data, 4, backend)
+    # A BatchNorm without the axis name computes per-device statistics: refused unless asked for.
+    with pytest.raises(ValueError, match=r"model_state\['bn\d'\]\['(mean|var)'\].* different on each device .*"
+                                         r"axis_name='data'.*sync_batchnorm=False"):
+        train(single, classifier_loss(single), data, 4, backend)
+    local_params, local_stats = train(single, classifier_loss(single), data, 4, backend, sync_batchnorm=False)
     # Per-device batch statistics, as PyTorch without SyncBatchNorm: the running variances (averages
     # of per-device variances) and the params come out measurably different from one device.
     assert max_abs_diff(one_stats, local_stats) > 100 * max(max_abs_diff(one_stats, sync_stats), 1e-7)

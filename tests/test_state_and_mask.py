@@ -52,10 +52,13 @@ def running_mean_loss(params, model_state, batch):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("m,sync", [(1, "every"), (2, "every"), (2, "last")])
 def test_model_state_is_carried_and_averaged(backend, m, sync):
-    """The state changes on every call (each micro-batch), averaged over devices, in every mode."""
+    """The state changes on every call (each micro-batch), averaged over devices, in every mode.
+
+    Each device's running mean is of its own shard (per-device state, so sync_batchnorm=False); the
+    mean is linear, so their average is the global batch's."""
     data = batches(3, 16, seed=6)
     step = jdp.make_train_step(running_mean_loss, optax.adam(1e-2), backend=backend, devices=jax.devices()[:4],
-                               has_state=True, accum_steps=m, accum_sync=sync)
+                               has_state=True, accum_steps=m, accum_sync=sync, sync_batchnorm=False)
     state = step.init(mlp_params(), {"mean": np.zeros(12, np.float32)})
     want = np.zeros(12)
     for batch in data:
