@@ -210,6 +210,30 @@ MUTANTS = [
            'changes["clip_norm"] = spec.clip_norm * n',
            'changes["clip_norm"] = spec.clip_norm',
            ("tests/test_train_reference.py",)),
+    Mutant("linen_to_train_state_drops_batch_stats", "linen.py",
+           'trained["batch_stats"] = get_tree(state, state.model_state)',
+           'trained["batch_stats"] = train_state.batch_stats',  # the initial statistics come back
+           ("tests/test_linen.py", "-k", "batch_stats_field")),
+    Mutant("per_device_model_state_accepted", "step.py",
+           "            check_agreement(spread, scale, self.mesh.axis_names[0])\n",
+           "",  # BatchNorm without an axis name trains on per-device statistics, silently
+           ("tests/test_linen.py", "-k", "batchnorm_mistakes")),
+    Mutant("model_state_structure_unchecked", "step.py",
+           "        check_structure(one.model_state, returned)\n",
+           "",  # a nested batch_stats dict re-initialises the statistics and recompiles every call
+           ("tests/test_linen.py", "-k", "batchnorm_mistakes")),
+    Mutant("unbound_axis_left_to_jax", "algorithm.py",
+           "unbound = unbound_axes(e, o.axis_name)",
+           "unbound = []",  # jax's bare AssertionError from inside flax's BatchNorm
+           ("tests/test_linen.py", "-k", "batchnorm_mistakes")),
+    Mutant("axis_name_ignored_by_the_mesh", "mesh.py",
+           "return Mesh(np.array(devices), (axis_name,))",
+           "return Mesh(np.array(devices), (DATA_AXIS,))",
+           ("tests/test_linen.py", "-k", "batch_stats_field")),
+    Mutant("exactness_reference_unbound_axis", "exactness.py",
+           "step = jax.jit(jax.vmap(one_device, axis_name=axis))",
+           "step = jax.jit(one_device)",  # the reference cannot run a loss that reduces over its axis
+           ("tests/test_linen.py", "-k", "assert_data_parallel_exact")),
 ]
 
 

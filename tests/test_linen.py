@@ -140,3 +140,98 @@ def test_to_train_state_refuses_a_partial_optimizer_step(accum_sync):
     assert int(jdp.linen.to_train_state(start, state).step) == 1
     np.testing.assert_array_equal(jax.tree.leaves(jdp.get_params(state))[0],
                                   jax.tree.leaves(jdp.linen.to_train_state(start, state).params)[0])
+
+
+class BNMLP(nn.Module):
+    """(batch, 6) -> (batch, 5), a BatchNorm between the layers (axis_name: where statistics are reduced)."""
+    axis_name: str | None = "batch"
+
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        h = nn.BatchNorm(use_running_average=not train, momentum=0.5, axis_name=self.axis_name)(nn.Dense(8)(x))
+        return nn.Dense(5)(jnp.tanh(h))
+
+
+class StatsTrainState(LinenTrainState):
+    """Flax's ImageNet example's TrainState: batch_stats beside the params."""
+    batch_stats: object = None
+
+
+def bn_state(axis_name="batch", tx=None):
+    model = BNMLP(axis_name)
+    variables = model.init(jax.random.key(0), jnp.zeros((1, 6)))
+    return StatsTrainState.create(apply_fn=model.apply, params=variables["params"], tx=tx or optax.sgd(0.5),
+                                  batch_stats=variables["batch_stats"])
+
+
+def bn_loss(state):
+    def loss_fn(params, batch_stats, batch):
+        logits, new = state.apply_fn({"params": params, "batch_stats": batch_stats}, batch["x"],
+                                     mutable=["batch_stats"])
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+        return loss, new["batch_stats"]
+    return loss_fn
+
+
+def test_batch_stats_field_is_the_model_state_and_comes_back_trained():
+    """A TrainState with batch_stats: no extra argument; the explicit form gives the same; the
+    trained statistics (not the initial ones) come back, equal to one device's."""
+    state, data_ = bn_state(), batches(3, 16, seed=5, sizes=(6, 8, 5))
+    step, jstate = jdp.linen.make_train_step(state, bn_loss(state), axis_name="batch", devices=jax.devices()[:4])
+    explicit, estate = jdp.linen.make_train_step(state, bn_loss(state), axis_name="batch", has_state=True,
+                                                 model_state=state.batch_stats, devices=jax.devices()[:4])
+    for batch in data_:
+        jstate, _ = step(jstate, batch)
+        estate, _ = explicit(estate, batch)
+    trained = jdp.linen.to_train_state(state, jstate)
+    assert max_abs_diff(trained.batch_stats, state.batch_stats) > 1e-2
+    assert max_abs_diff(trained.batch_stats, jdp.linen.to_train_state(state, estate).batch_stats) == 0
+    one, one_state = jdp.linen.make_train_step(state, bn_loss(state), axis_name="batch", devices=jax.devices()[:1])
+    for batch in data_:
+        one_state, _ = one(one_state, batch)
+    assert max_abs_diff(trained.batch_stats, jdp.linen.to_train_state(state, one_state).batch_stats) <= 1e-5
+    assert max_abs_diff(trained.params, jdp.linen.to_train_state(state, one_state).params) <= 1e-5
+
+
+def test_assert_data_parallel_exact_checks_a_linen_model_with_batch_stats():
+    """Passes for synchronised statistics (axis_name bound on one device in the reference); fails,
+    naming batch_stats and params, for per-device statistics accepted with sync_batchnorm=False."""
+    from jdp.testing import NotExactError, assert_data_parallel_exact
+    data_ = batches(2, 16, seed=7, sizes=(6, 8, 5))
+    state = bn_state("batch")
+    report = assert_data_parallel_exact(bn_loss(state), optax.sgd(0.5), state.params, data_, devices=jax.devices()[:4],
+                                        backends="shard_map", has_state=True, model_state=state.batch_stats,
+                                        axis_name="batch")
+    assert any(r.name.startswith("model_state") for r in report.rows)
+    local = bn_state(None)
+    with pytest.raises(NotExactError, match=r"FAIL .*model_state"):
+        assert_data_parallel_exact(bn_loss(local), optax.sgd(0.5), local.params, data_, devices=jax.devices()[:4],
+                                   backends="shard_map", has_state=True, model_state=local.batch_stats,
+                                   sync_batchnorm=False)
+
+
+def test_batchnorm_mistakes_are_one_sentence():
+    state, batch = bn_state(None), batches(1, 16, seed=5, sizes=(6, 8, 5))[0]
+    step, jstate = jdp.linen.make_train_step(state, bn_loss(state), devices=jax.devices()[:4])
+    with pytest.raises(ValueError, match=r"model_state\['BatchNorm_0'\]\['(mean|var)'\] comes out of loss_fn "
+                                         r"different on each device .*sync_batchnorm=False"):
+        step(jstate, batch)  # the one-device form of BatchNorm: per-device statistics
+    synced = bn_state("batch")
+    step, jstate = jdp.linen.make_train_step(synced, bn_loss(synced), devices=jax.devices()[:4])
+    with pytest.raises(ValueError, match=r"reduces over the mesh axis 'batch' .* the step binds 'data': pass "
+                                         r"axis_name='batch' to make_train_step"):
+        step(jstate, batch)  # the model reduces over 'batch', the step binds its default 'data'
+
+    def nested(params, batch_stats, batch):  # the whole mutable dict instead of its batch_stats
+        loss, stats = bn_loss(synced)(params, batch_stats, batch)
+        return loss, {"batch_stats": stats}
+    step, jstate = jdp.linen.make_train_step(synced, nested, axis_name="batch", devices=jax.devices()[:4])
+    with pytest.raises(ValueError, match=r"new model state that differs .*wrapped in \{'batch_stats': \.\.\.\}"):
+        step(jstate, batch)
+    plain = linen_state(optax.sgd(0.1))
+    with pytest.raises(ValueError, match=r"has_state=True needs the model state the loss takes: pass model_state="):
+        jdp.linen.make_train_step(plain, bn_loss(plain), has_state=True)
+    with pytest.raises(ValueError, match="train_state has batch_stats, which a BatchNorm updates on every step"):
+        jdp.linen.make_train_step(state, bn_loss(state), has_state=False)
+    with pytest.raises(ValueError, match=r"axis_name='data axis' must be a mesh axis name"):
+        jdp.make_train_step(loss_for(plain), optax.sgd(0.1), axis_name="data axis")
