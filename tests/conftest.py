@@ -14,7 +14,7 @@ else:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # jax's persistent compilation cache: a second run of the suite loads compiled steps instead of
 # compiling them again (measured: 25.6 s -> 4.7 s for three step-heavy test files). Subprocesses
-# (CLI, multi-process, README blocks) inherit it through these variables. Set the directory to
+# (CLI, multi-process, README and docs blocks) inherit it through these variables. Set the directory to
 # another path to move it; the cache is keyed by the HLO, jax version and flags, never stale.
 _CACHE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".pytest_cache", "jax")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE)
