@@ -10,6 +10,9 @@ A page holds a marker line; on `source-read` the marker is replaced by Markdown 
   command that runs it and the result it should reach.
 - `<!-- jdp:cli-reference -->`: `jdp --help` and each subcommand's `--help`, from
   `jdp.cli.build_parser()`.
+
+It also reads jdp's docstrings as what they are, plain text (`plain_text_docstring`): `code` in
+single backticks, examples indented under a line of prose, and Google-style "Args:" sections.
 """
 from __future__ import annotations
 
@@ -194,7 +197,8 @@ def _blocks(lines: list[str]) -> list[str]:
                 i = len(prose) - 1 - prose[::-1].index(prev)
                 prose[i] = prev + (":" if prev.rstrip().endswith(":") else " ::")
                 flush()
-                out.append("")
+                if out[-1].strip():
+                    out.append("")  # a literal block starts after a blank line
                 out.append(line)
                 literal, prev = _indent(prev), None
                 continue
