@@ -51,6 +51,8 @@ QUICK = (
     "test_precision_train.py::test_resume_with_another_precision_is_refused_and_the_checkpoint_kept",
     "test_zero.py::test_accumulation_and_psum_variant", "test_zero.py::test_refusals_name_the_problem",
     "test_zero.py::test_config_key_and_its_refusal",
+    "test_docs.py::test_every_file_the_pages_name_exists",
+    "test_docs.py::test_config_reference_names_every_field_with_its_rule",
 )
 
 
