@@ -1,7 +1,7 @@
 """Does XLA's in-process CPU all-reduce stall? Count aborted runs, each in a fresh process.
 
 XLA's CPU all-reduce on fake host devices can deadlock and abort the process after 40 s
-("Expected 2 threads to join the rendezvous ... Termination timeout"); see the README. This runs
+("Expected 2 threads to join the rendezvous ... Termination timeout"); see docs/cpu-devices.md. This runs
 a training step of an MLP 784-1024-1024-10 (global batch 256, Adam, 45 steps) many times and
 counts the aborts, for two subjects:
 
@@ -13,7 +13,7 @@ under two thread-pool settings (`--pools`): `xla`, XLA's default of max(cores, N
 a process gets without jdp), and `jdp`, what `jdp.cpu` sets (2N + 2 threads); and, for jdp's
 step, with and without its bound on steps in flight (`--bound on|off`).
 
-Usage (the before/after table in the README):
+Usage (the before/after table in docs/cpu-devices.md):
   python -m benchmarks.cpu_collective_stall --trials 20
   python -m benchmarks.cpu_collective_stall --subject jdp --pools xla --bound off --devices 4
 """

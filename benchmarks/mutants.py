@@ -8,10 +8,11 @@
 
 Each mutant is one edit: an exact snippet of a file under jdp/ that must occur exactly once there,
 and its replacement. For each, the package (the repo's jdp/, or --jdp DIR), the repo's tests/,
-benchmarks/, configs/, examples/, pyproject.toml and README.md are copied into a fresh temporary directory, the edit is
-applied, and the mutant's selection of tests runs there (`python -m pytest -x`, cwd and PYTHONPATH
-the copy, so `import jdp` finds the mutant before the editable install; checked for every mutant,
-and the `sanity_import_fails` mutant proves it by failing at import with the copy's path).
+benchmarks/, configs/, examples/, docs/, pyproject.toml, README.md and CONTRIBUTING.md are copied
+into a fresh temporary directory, the edit is applied, and the mutant's selection of tests runs there
+(`python -m pytest -x`, cwd and PYTHONPATH the copy, so `import jdp` finds the mutant before the
+editable install; checked for every mutant, and the `sanity_import_fails` mutant proves it by
+failing at import with the copy's path).
 
 A mutant is caught when a test fails, survives when its selection passes. The table goes to stdout
 and benchmarks/results/mutants.md. Exit status 1 if any mutant survives, any snippet does not
@@ -243,7 +244,7 @@ def occurrences(mutant: Mutant, jdp_dir: str) -> int:
 
 
 def _copy_tree(src: str, dst: str) -> None:
-    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "results", "runs"))
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "results", "runs", "_build"))
 
 
 def baseline() -> Mutant:
@@ -257,9 +258,9 @@ def scratch_copy(mutant: Mutant, jdp_dir: str, base: str) -> str:
     """A fresh directory holding the mutated package, the repo's tests and what they read."""
     where = tempfile.mkdtemp(prefix=f"{mutant.name}-", dir=base)
     _copy_tree(jdp_dir, os.path.join(where, "jdp"))
-    for name in ("tests", "benchmarks", "configs", "examples"):
+    for name in ("tests", "benchmarks", "configs", "examples", "docs"):
         _copy_tree(os.path.join(ROOT, name), os.path.join(where, name))
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "CONTRIBUTING.md"):
         shutil.copy(os.path.join(ROOT, name), where)
     if not mutant.old:  # the baseline
         return where

@@ -1,4 +1,4 @@
-"""The README's "Why average?" seed example, run through jdp's public API.
+"""The "Why average?" seed example of docs/why-average.md, run through jdp's public API.
 
     python examples/seed_demo.py
 

@@ -14,7 +14,7 @@ else:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # jax's persistent compilation cache: a second run of the suite loads compiled steps instead of
 # compiling them again (measured: 25.6 s -> 4.7 s for three step-heavy test files). Subprocesses
-# (CLI, multi-process, README blocks) inherit it through these variables. Set the directory to
+# (CLI, multi-process, README and docs blocks) inherit it through these variables. Set the directory to
 # another path to move it; the cache is keyed by the HLO, jax version and flags, never stale.
 _CACHE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".pytest_cache", "jax")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE)
@@ -51,6 +51,8 @@ QUICK = (
     "test_precision_train.py::test_resume_with_another_precision_is_refused_and_the_checkpoint_kept",
     "test_zero.py::test_accumulation_and_psum_variant", "test_zero.py::test_refusals_name_the_problem",
     "test_zero.py::test_config_key_and_its_refusal",
+    "test_docs.py::test_every_file_the_pages_name_exists",
+    "test_docs.py::test_config_reference_names_every_field_with_its_rule",
 )
 
 

@@ -34,7 +34,7 @@ def test_digits_custom_loss_reaches_095_and_replicas_agree():
     assert "replicas agree" in out
 
 
-def test_seed_demo_prints_the_readme_numbers():
+def test_seed_demo_prints_the_numbers_of_why_average():
     out = run_example("seed_demo.py")
     assert "local gradients: -8.0 and -9.0" in out
     table = {name: (int(n), float(g), float(w)) for name, n, g, w in

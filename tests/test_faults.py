@@ -1,6 +1,6 @@
 """A catalog of faults and bad inputs for `jdp train` (and `jdp plot`), run as a user runs them.
 
-Every case runs the CLI in a fresh process and checks the contract of README "Training": exit
+Every case runs the CLI in a fresh process and checks the contract of docs/training.md: exit
 code 2, exactly one line `jdp: error: <one sentence>` naming the bad value and what is allowed,
 no traceback, and nothing written or changed: every file and directory of the case's directory
 (its config, its arrays, its workdir and the checkpoint in it) has the same path, size and

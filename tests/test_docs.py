@@ -1,0 +1,116 @@
+"""Every ```python block of README.md and of every docs page runs as written, as a user would run it.
+
+One fresh process per page (importing jax costs ~1 s); inside it each block runs on its own, in a
+new namespace, so a block that uses a name it does not define fails. Blocks ask for the fake
+devices they need (`jdp.cpu.use_cpu_devices(4)`); the process starts without the suite's 8.
+"""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS = os.path.join(ROOT, "docs")
+FENCE = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+
+
+def pages() -> list[str]:
+    """README.md and every Markdown page under docs/ (the build's output excluded), relative to the repo."""
+    found = ["README.md"]
+    for where, dirs, files in os.walk(DOCS):
+        dirs[:] = sorted(d for d in dirs if not d.startswith(("_build", ".")))
+        found += sorted(os.path.relpath(os.path.join(where, f), ROOT) for f in files if f.endswith(".md"))
+    return found
+
+
+def blocks(page: str) -> list[str]:
+    with open(os.path.join(ROOT, page), encoding="utf-8") as f:
+        return FENCE.findall(f.read())
+
+
+RUNNER = """
+import sys
+page, blocks = sys.argv[1], sys.stdin.read().split("\\0")
+for i, code in enumerate(blocks):
+    print(f"--- {page} block {i + 1} of {len(blocks)}", flush=True)
+    exec(compile(code, f"{page} block {i + 1}", "exec"), {"__name__": "__main__"})
+print("--- all blocks ran", flush=True)
+"""
+WITH_CODE = [p for p in pages() if blocks(p)]
+
+
+def test_the_pages_hold_the_examples():
+    """The README and the tutorials keep runnable examples (a fence typo would hide them from this test)."""
+    assert len(blocks("README.md")) >= 3
+    for page in ("quickstart", "nnx", "testing", "step", "accumulation", "mixed-precision", "zero", "why-average"):
+        assert blocks(f"docs/{page}.md"), page
+    for page in pages():
+        with open(os.path.join(ROOT, page), encoding="utf-8") as f:
+            text = f.read()
+        assert len(re.findall(r"^```python", text, re.M)) == len(blocks(page)), f"{page}: an unclosed python block"
+
+
+@pytest.mark.parametrize("page", WITH_CODE)
+def test_every_python_block_runs_as_written(page, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["JAX_PLATFORMS"] = "cpu"
+    run = subprocess.run([sys.executable, "-W", "error", "-c", RUNNER, page], input="\0".join(blocks(page)),
+                         text=True, capture_output=True, cwd=tmp_path, env=env, timeout=600)
+    assert run.returncode == 0 and "--- all blocks ran" in run.stdout, run.stdout[-2000:] + run.stderr[-4000:]
+
+
+def _reference():
+    sys.path.insert(0, os.path.join(DOCS, "_ext"))
+    try:
+        import jdp_reference
+    finally:
+        sys.path.pop(0)
+    return jdp_reference
+
+
+def test_config_reference_names_every_field_with_its_rule():
+    """The generated page covers the schema as it is: every section and field, its default and its rule."""
+    from dataclasses import fields
+
+    from jdp import config
+
+    ref = _reference()
+    page = ref.config_reference()
+    for name, cls in config.SECTIONS.items():
+        for f in fields(cls):
+            row = next(line for line in page.splitlines() if line.startswith(f"| `{name}.{f.name}` |"))
+            assert cls._rules[f.name].desc.replace("|", "\\|") in row, row
+    assert "| `train.log_every` | `int` | `50` |" in page
+    assert "| `optim.lr` |" in page and "fixed" in next(l for l in page.splitlines() if l.startswith("| `optim.lr`"))
+    assert "may change" in next(l for l in page.splitlines() if l.startswith("| `parallel.devices`"))
+    for page_name, marker in (("reference/config.md", ref.CONFIG_MARKER), ("reference/config.md", ref.CONFIGS_MARKER),
+                              ("reference/cli.md", ref.CLI_MARKER)):
+        with open(os.path.join(DOCS, page_name), encoding="utf-8") as f:
+            assert marker in f.read(), (page_name, marker)
+    assert "configs/char_gpt.yaml" in ref.shipped_configs() and "--workdir" in ref.cli_reference()
+
+
+def test_docstrings_become_restructured_text_that_says_the_same():
+    ref = _reference()
+    lines = ["Build it:", "", "    step = make(x)", "    step(state)", "", "Returns `TrainStep`s, |x| wide."]
+    ref.plain_text_docstring(None, "function", "f", None, {}, lines)
+    assert lines[:5] == ["Build it::", "", "    step = make(x)", "    step(state)", ""], lines
+    assert lines[5] == "Returns ``TrainStep``\\ s, \\|x\\| wide.", lines
+
+
+def test_every_file_the_pages_name_exists():
+    """A path in the README, CONTRIBUTING.md or a docs page (`jdp/step.py`, `configs/char_gpt.yaml`) names a real
+    file or folder, so moving one without its documentation fails here. Outputs under benchmarks/results/ are
+    written by the commands the pages show, and are not checked."""
+    path = re.compile(r"(?<![\w/.])((?:jdp|tests|benchmarks|examples|configs|docs)/[\w./-]*[\w/])")
+    missing = []
+    for page in [*pages(), "CONTRIBUTING.md"]:
+        with open(os.path.join(ROOT, page), encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                for found in path.findall(line):
+                    if not found.startswith(("benchmarks/results/", "docs/_build")) \
+                            and not os.path.exists(os.path.join(ROOT, found)):
+                        missing.append(f"{page}:{number}: {found}")
+    assert not missing, "\n".join(missing)
