@@ -114,3 +114,16 @@ def test_every_file_the_pages_name_exists():
                             and not os.path.exists(os.path.join(ROOT, found)):
                         missing.append(f"{page}:{number}: {found}")
     assert not missing, "\n".join(missing)
+
+
+def test_docs_build_strictly_and_open_offline(tmp_path):
+    """`sphinx-build -W --keep-going -n`: every warning and broken cross-reference fails the build; the built
+    pages load nothing from the network, so the site opens offline."""
+    out = tmp_path / "html"
+    run = subprocess.run([sys.executable, "-m", "sphinx", "-W", "--keep-going", "-n", "-q", "-b", "html",
+                          "-d", str(tmp_path / "doctrees"), DOCS, str(out)], capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    remote = re.compile(r'<(?:script|link|img)[^>]+(?:src|href)="(?:https?:)?//')
+    loads = [str(f.relative_to(out)) for f in out.rglob("*.html") if remote.search(f.read_text(encoding="utf-8"))]
+    assert not loads, f"these pages load something from the network: {loads}"
