@@ -45,6 +45,7 @@ QUICK = (
     "test_model_precision.py::test_cnn_bf16_train_call_keeps_batch_stats_float32",
     "test_model_precision.py::test_remat_is_in_the_jaxpr_and_fused_attention_builds_no_mask",
     "test_linen.py::test_one_sentence_errors", "test_linen.py::test_bridge_equals_the_linen_loop_and_hands_back",
+    "test_linen.py::test_batchnorm_mistakes_are_one_sentence",
     "test_cli.py::test_train_logs_checkpoints_plots_and_resumes",
     "test_multiprocess.py::test_two_processes_equal_one",
     "test_precision_train.py::test_bad_values_are_one_sentence_naming_the_key",

@@ -75,3 +75,21 @@ def test_model_state_contract_is_checked():
     step = jdp.make_train_step(mlp_loss, optax.sgd(0.1))
     with pytest.raises(ValueError, match="model_state was given but the step was made without has_state=True"):
         step.init(mlp_params(), {"mean": np.zeros(12, np.float32)})
+
+
+@pytest.mark.parametrize("grow", ["nest", "shape", "dtype"])
+def test_new_model_state_of_another_structure_is_refused_at_the_first_call(grow):
+    """One more nesting level, another shape or another dtype per call would recompile every call on a
+    state that grows: refused before the first step, naming both structures."""
+    def loss(params, state, batch):
+        new = {"mean": 0.9 * state["mean"] + 0.1 * batch["x"].mean(axis=0)}
+        new = {"nest": {"inner": new}, "shape": {"mean": jnp.concatenate([new["mean"], new["mean"][:1]])},
+               "dtype": {"mean": new["mean"].astype(jnp.float16)}}[grow]
+        return mlp_loss(params, batch), new
+
+    step = jdp.make_train_step(loss, optax.sgd(0.1), devices=jax.devices()[:2], has_state=True, sync_batchnorm=False)
+    state = step.init(mlp_params(), {"mean": np.zeros(12, np.float32)})
+    with pytest.raises(ValueError, match=r"new model state that differs from the one it was given.*: given 1 leaves "
+                                         r"\(\['mean'\] \(12,\) float32\), returned 1 leaves"):
+        step(state, batches(1, 8)[0])
+    assert step.trace_count == 0
