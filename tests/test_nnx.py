@@ -146,3 +146,28 @@ def test_your_model_through_the_trainer_resumes_bit_exactly(tmp_path):
     losses = [[r["loss"] for r in jdp.metrics.load_metrics(str(d)) if "loss" in r] for d in (tmp_path / "whole",
                                                                                              tmp_path / "split")]
     assert losses[0] == losses[1] and len(losses[0]) == 4
+
+
+def test_axis_name_names_the_axis_batchnorm_and_the_loss_reduce_over():
+    """axis_name='batch': jdp binds that axis, sets it on its copy's BatchNorms, and a loss that pmeans
+    over 'batch' (as Flax's examples write their metrics) runs; the step equals the default axis's."""
+    from jax import lax
+
+    def batch_loss(model, batch):  # a metric reduced over the axis, as Flax's examples write it
+        loss, aux = loss_fn(model, batch)
+        return loss, {"accuracy": lax.pmean(aux["accuracy"], "batch")}
+
+    batch, results = data(16, seed=2), []
+    for fn, options in ((loss_fn, {}), (batch_loss, {"axis_name": "batch"})):
+        step = jdp.nnx.make_train_step(Tiny(rngs=nnx.Rngs(0)), fn, optax.sgd(0.1), has_aux=True,
+                                       devices=jax.devices()[:4], **options)
+        state = step.init(seed=0)
+        for _ in range(2):
+            state, metrics = step(state, batch)
+        results.append((jdp.get_params(state), jdp.step.get_tree(state, state.model_state), metrics["aux"]))
+    for a, b in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1])):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="reduces over the mesh axis 'batch' .* binds 'data'"):
+        step = jdp.nnx.make_train_step(Tiny(rngs=nnx.Rngs(0)), batch_loss, optax.sgd(0.1), has_aux=True,
+                                       devices=jax.devices()[:4])
+        step(step.init(seed=0), batch)
