@@ -6,6 +6,8 @@ import errno
 import os
 import sys
 
+from jdp import __version__
+
 
 def _positive_int(text: str) -> int:
     try:
@@ -31,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="jdp", description="jdp: a small, exact JAX data-parallel trainer. N devices average their "
         "gradients and take exactly the step one device takes on the global batch.")
+    parser.add_argument("--version", action="version", version=f"jdp {__version__}",
+                        help="print jdp's version and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     train = sub.add_parser(
         "train", help="train a config (default: an MLP on scikit-learn's digits)",
