@@ -87,7 +87,20 @@ def build_parser() -> argparse.ArgumentParser:
                          help="the step's backend (default shard_map)")
     explain.add_argument("--devices", type=_device_list, default=(2, 4, 8), metavar="N,N,...",
                          help="device counts of the matrix (default 2,4,8)")
+    _add_config_parser(sub)
     return parser
+
+
+def _add_config_parser(sub) -> None:
+    config = sub.add_parser("config", help="the config's JSON Schema, for editors",
+                            description="Tools for jdp train's YAML configs.")
+    what = config.add_subparsers(dest="config_command", required=True, metavar="SUBCOMMAND",
+                                 help="what to do with configs")
+    what.add_parser("schema", help="print the config's JSON Schema (draft 2020-12)",
+                    description="Print the JSON Schema of a config on stdout: every section and key with its "
+                    "type, default, allowed values and description; unknown keys are refused. Save it "
+                    "(jdp config schema > jdp.schema.json) and point your editor at it, e.g. a first line "
+                    "'# yaml-language-server: $schema=jdp.schema.json' in a config.")
 
 
 def _devices(requested: int | None):
@@ -222,6 +235,15 @@ def cmd_explain(args) -> int:
     return 0
 
 
+def cmd_config(args) -> int:
+    import json
+
+    from jdp.config_schema import config_schema
+
+    print(json.dumps(config_schema(), indent=2, ensure_ascii=False))  # config_command is "schema", the only one
+    return 0
+
+
 _SUPERVISED = "JDP_SUPERVISED"
 
 
@@ -262,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     if distributed and not os.environ.get(_SUPERVISED):
         return supervise(argv, args.process_id)
     try:
-        return {"train": cmd_train, "explain": cmd_explain, "plot": cmd_plot}[args.command](args)
+        return {"train": cmd_train, "explain": cmd_explain, "plot": cmd_plot, "config": cmd_config}[args.command](args)
     except ValueError as e:  # bad input: one sentence, exit code 2, no traceback
         print(f"jdp: error: {e}", file=sys.stderr)
         return 2
