@@ -1,7 +1,7 @@
 """What a newcomer meets in the first hour: `jdp --version`, a script beside a clone named jdp/,
 `jdp plot` without matplotlib, the plot's labels, `jdp explain` in 80 columns, the console's
 global-batch line."""
-import io
+import ast
 import json
 import os
 import pathlib
@@ -14,8 +14,6 @@ import venv
 
 import jax
 import pytest
-from rich.console import Console
-
 import jdp
 import jdp.cli
 
@@ -164,3 +162,47 @@ def test_plot_has_axis_labels_the_run_name_and_marked_eval_points(tmp_path, monk
             assert line.get_label() and not line.get_label().startswith("_"), key  # in the legend
     finally:
         plt.close(fig)
+
+
+def _jdp_imports() -> dict[str, set[str]]:
+    """{module: the jdp modules it imports, anywhere in its body (function-level imports count)}."""
+    paths = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+             for p in (ROOT / "jdp").rglob("*.py")}
+    graph = {}
+    for name, path in paths.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                found.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from . import x, from ..core import y
+                    parent = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join(parent + ([node.module] if node.module else []))
+                found.update(f"{base}.{a.name}" if f"{base}.{a.name}" in paths else base for a in node.names)
+        graph[name] = {m for m in found if m in paths and m != name}
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> set[str]:
+    """Every import circle of `graph`, once each, as "a -> b -> a" from its smallest module."""
+    circles = set()
+    for start in graph:  # depth-first from each module: a path back to it is a circle
+        stack = [(start, (start,))]
+        while stack:
+            module, path = stack.pop()
+            for nxt in graph[module]:
+                if nxt == start:
+                    circles.add(" -> ".join((*path, start)))
+                elif nxt not in path and nxt > start:
+                    stack.append((nxt, (*path, nxt)))
+    return circles
+
+
+def test_no_import_circle_in_jdp():
+    """Modules import in one direction only (jdp.explain and jdp.explain_precision imported each other)."""
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == {"a -> b -> c -> a"}
+    graph = _jdp_imports()
+    assert sum(map(len, graph.values())) > 50  # the scan sees the imports
+    assert not _circles(graph), sorted(_circles(graph))
