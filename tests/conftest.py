@@ -51,6 +51,8 @@ QUICK = (
     "test_precision_train.py::test_resume_with_another_precision_is_refused_and_the_checkpoint_kept",
     "test_zero.py::test_accumulation_and_psum_variant", "test_zero.py::test_refusals_name_the_problem",
     "test_zero.py::test_config_key_and_its_refusal",
+    "test_config_schema.py::test_cli_prints_the_schema", "test_papercuts.py::test_version_flag_prints_the_package_version",
+    "test_papercuts.py::test_explain_tables_fit_80_columns_when_piped",
 )
 
 
