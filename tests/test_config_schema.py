@@ -20,6 +20,7 @@ VALIDATOR = jsonschema.Draft202012Validator(SCHEMA)
 
 def test_it_is_a_draft_2020_12_schema_of_every_section_and_field():
     jsonschema.Draft202012Validator.check_schema(SCHEMA)
+    jsonschema.Draft7Validator.check_schema(SCHEMA)
     assert SCHEMA["$schema"] == "https://json-schema.org/draft/2020-12/schema"
     assert SCHEMA["additionalProperties"] is False and list(SCHEMA["properties"]) == list(SECTIONS)
     for name, cls in SECTIONS.items():
@@ -56,6 +57,9 @@ def test_every_shipped_config_is_valid(path):
 def test_unknown_keys_and_wrong_types_are_refused(config, where):
     errors = list(VALIDATOR.iter_errors(config))
     assert errors and {".".join(map(str, e.absolute_path)) for e in errors} == {where}, errors
+    # draft-07 keywords only: editors that implement draft-07 (not 2020-12) judge the same
+    assert not jsonschema.Draft7Validator(SCHEMA).is_valid(config)
+    assert jsonschema.Draft7Validator(SCHEMA).is_valid({"optim": {"lr": 0.1}})
 
 
 PROBES = (None, True, False, 0, 1, 2, 3, -1, 0.5, 1.5, 2**31 - 1, 2**31, 2**63, "3e-4", "abc", "a.npz", "a.NPZ",
