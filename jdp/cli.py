@@ -78,8 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     explain = sub.add_parser("explain", help="show, with numbers, why jdp averages gradients instead of summing",
                              description="Run jdp's step on 8 fake CPU devices and print: the seed examples "
                              "(mean vs sum), the deviation of every optimizer x clipping x reduction x N from one "
-                             "device, Adam's ε, clipping rates and fp16 overflow. About a minute on a 2-core CPU (it "
-                             "compiles ~120 steps); each part is reported on stderr as it starts.")
+                             "device, bf16 gradient communication, Adam's ε, clipping rates and fp16 overflow. About "
+                             "a minute on a 2-core CPU (it compiles ~120 steps); each part, and each run within it, "
+                             "is reported on stderr as it starts.")
     explain.add_argument("--json", action="store_true",
                          help="print the results as JSON on stdout instead (progress goes to stderr)")
     explain.add_argument("--plot", metavar="FILE.png", help="also save a plot of deviation vs N (needs matplotlib)")

@@ -104,8 +104,9 @@ class DataConfig(Section):
 
     _section: ClassVar[str] = "data"
     _rules: ClassVar[dict[str, Rule]] = dict(
-        name=one_of(DATASETS), path=or_null(NPZ), seed_example=Rule(" or ".join(map(str, SEED_REGRESSIONS)), lambda v: v in SEED_REGRESSIONS,
-                                                schema={"enum": list(SEED_REGRESSIONS)}),
+        name=one_of(DATASETS), path=or_null(NPZ),
+        seed_example=Rule(" or ".join(map(str, SEED_REGRESSIONS)), lambda v: v in SEED_REGRESSIONS,
+                          schema={"enum": list(SEED_REGRESSIONS)}),
         batch_size=POSITIVE_INT, eval_batch_size=POSITIVE_INT, drop_last=BOOL, test_fraction=FRACTION)
 
 

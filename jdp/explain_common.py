@@ -2,8 +2,8 @@
 the matrix's small problem and its optimizers, and the style of its tables.
 
 `jdp.explain` (the seeds, the deviation matrix, Adam's ε, clipping, fp16, the report) and
-`jdp.explain_precision` (bf16 gradient communication) both build on this module and on nothing of
-each other's but what `jdp.explain` calls.
+`jdp.explain_precision` (bf16 gradient communication) both import this module; `jdp.explain`
+also calls `jdp.explain_precision`, which imports nothing of `jdp.explain`: one direction only.
 """
 from __future__ import annotations
 

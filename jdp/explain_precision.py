@@ -67,7 +67,8 @@ def bf16_communication(ns=(2, 4, 8), backend: str = "shard_map", problem: Proble
         movement[name] = max_abs_diff(reference, problem.params)
         for j, dtype in enumerate(REDUCE_DTYPES):
             counts = (1, *ns) if dtype == "bfloat16" else ns
-            tell(i * len(REDUCE_DTYPES) + j + 1, items, f"{name}, all-reduce in {dtype}, N = {', '.join(map(str, counts))}")
+            what = f"{name}, all-reduce in {dtype}, N = {', '.join(map(str, counts))}"
+            tell(i * len(REDUCE_DTYPES) + j + 1, items, what)
             for n in counts:
                 params, _ = train_problem(problem, spec, "mean", None, n, backend, reduce_dtype=_reduce_dtype(dtype))
                 dev = max_abs_diff(params, reference)
