@@ -113,12 +113,12 @@ def _train_small(devices, optimizer: str, precision="float32", reduce_dtype=None
     import jax
     import numpy as np
 
-    from jdp.explain import Problem, _mlp_loss, matrix_specs
+    from jdp.explain_common import Problem, matrix_specs, mlp_loss
     from jdp.step import get_params, make_train_step
 
     problem = Problem.make()
     with jax.default_matmul_precision(matmul) if matmul else nullcontext():
-        step = make_train_step(_mlp_loss, matrix_specs(1.0)[(optimizer, False)], devices=devices,
+        step = make_train_step(mlp_loss, matrix_specs(1.0)[(optimizer, False)], devices=devices,
                                precision=precision, reduce_dtype=reduce_dtype)
         state = step.init(problem.params)
         scale = np.ones(len(problem.batches[0]["y"]), np.float32)
@@ -147,7 +147,7 @@ def part_exactness(plan: Plan, emit) -> None:
     there (matmuls at "highest") and against float32 on the CPU: max |Δparam| after K steps."""
     import jax
 
-    from jdp.explain import Problem, _max_abs_diff
+    from jdp.explain_common import Problem, max_abs_diff
 
     device = jax.devices()[:1]
     try:
@@ -159,18 +159,18 @@ def part_exactness(plan: Plan, emit) -> None:
     for optimizer in plan.optimizers:
         ref, _ = _train_small(device, optimizer, matmul="highest")
         cpu_ref = _train_small(cpu, optimizer)[0] if cpu else None
-        moved = _max_abs_diff(ref, initial)
+        moved = max_abs_diff(ref, initial)
         runs = {"float32, default matmul precision": {}, "bfloat16 compute": {"precision": "bfloat16"},
                 "float32 compute, bf16 reduce_dtype (N=1)": {"reduce_dtype": "bfloat16"}}
         for label, kw in runs.items():
             params, lowered = _train_small(device, optimizer, **kw)
-            row = {"vs_float32_here": _max_abs_diff(params, ref), "moved": moved,
-                   "vs_float32_cpu": _max_abs_diff(params, cpu_ref) if cpu else None}
+            row = {"vs_float32_here": max_abs_diff(params, ref), "moved": moved,
+                   "vs_float32_cpu": max_abs_diff(params, cpu_ref) if cpu else None}
             if "reduce_dtype" in kw:
                 row["hlo"] = _hlo_summary(lowered)
             out["runs"][f"{optimizer}: {label}"] = row
         out["runs"][f"{optimizer}: float32 (highest) here vs CPU"] = {
-            "vs_float32_cpu": _max_abs_diff(ref, cpu_ref) if cpu else None, "moved": moved}
+            "vs_float32_cpu": max_abs_diff(ref, cpu_ref) if cpu else None, "moved": moved}
         emit(out)
 
 
@@ -215,12 +215,12 @@ def part_cpu_bf16_comm(plan: Plan, emit) -> None:
     import jdp.cpu
 
     jdp.cpu.use_cpu_devices(max(8, *plan.explain_ns))
-    from jdp.explain import _train_step
+    from jdp.explain_common import cached_step
     from jdp.explain_precision import bf16_communication
 
     t0 = time.perf_counter()
     section = bf16_communication(plan.explain_ns)
-    _train_step.cache_clear()
+    cached_step.cache_clear()
     emit({"platform": "CPU, fake devices", **section, "seconds": round(time.perf_counter() - t0, 1)})
 
 

@@ -235,6 +235,30 @@ MUTANTS = [
            "step = jax.jit(jax.vmap(one_device, axis_name=axis))",
            "step = jax.jit(one_device)",  # the reference cannot run a loss that reduces over its axis
            ("tests/test_linen.py", "-k", "assert_data_parallel_exact")),
+    Mutant("schema_rule_drifts_from_check", "sections.py",
+           'schema={"minimum": 0, "exclusiveMaximum": 1}',
+           'schema={"minimum": 0, "maximum": 1}',  # UNIT's schema takes 1, its check does not
+           ("tests/test_config_schema.py::test_the_schema_and_the_section_agree_on_every_field",)),
+    Mutant("schema_section_takes_unknown_keys", "config_schema.py",
+           '"properties": properties,\n            "additionalProperties": False}',
+           '"properties": properties}',
+           ("tests/test_config_schema.py::test_unknown_keys_and_wrong_types_are_refused",)),
+    Mutant("plot_hint_ignores_the_checkout", "extras.py",
+           "root = checkout()",
+           "root = None",  # always pip install 'jdp[plot]': in a source checkout pip asks the index for jdp
+           ("tests/test_papercuts.py::test_plot_without_matplotlib_names_the_install_command_of_this_checkout",)),
+    Mutant("explain_cells_cut_with_ellipsis", "explain_common.py",
+           'overflow="fold"',
+           'overflow="ellipsis"',
+           ("tests/test_papercuts.py::test_explain_tables_fit_80_columns_when_piped",)),
+    Mutant("explain_sweep_runs_silently", "explain.py",
+           '_tell(progress, k, len(scales), f"loss × {scale:g}, mean and raw sum on {n} devices")',
+           'pass',
+           ("tests/test_explain.py::test_cli_json",)),
+    Mutant("console_batch_factors_unnamed", "train.py",
+           "{plural(n, 'device')}",
+           "{n}",
+           ("tests/test_papercuts.py::test_the_first_console_line_names_the_factors_of_the_global_batch",)),
 ]
 
 

@@ -6,6 +6,8 @@ import errno
 import os
 import sys
 
+from jdp import __version__
+
 
 def _positive_int(text: str) -> int:
     try:
@@ -31,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="jdp", description="jdp: a small, exact JAX data-parallel trainer. N devices average their "
         "gradients and take exactly the step one device takes on the global batch.")
+    parser.add_argument("--version", action="version", version=f"jdp {__version__}",
+                        help="print jdp's version and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     train = sub.add_parser(
         "train", help="train a config (default: an MLP on scikit-learn's digits)",
@@ -74,8 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     explain = sub.add_parser("explain", help="show, with numbers, why jdp averages gradients instead of summing",
                              description="Run jdp's step on 8 fake CPU devices and print: the seed examples "
                              "(mean vs sum), the deviation of every optimizer x clipping x reduction x N from one "
-                             "device, Adam's ε, clipping rates and fp16 overflow. About a minute on a 2-core CPU (it "
-                             "compiles ~120 steps); each part is reported on stderr as it starts.")
+                             "device, bf16 gradient communication, Adam's ε, clipping rates and fp16 overflow. About "
+                             "a minute on a 2-core CPU (it compiles ~120 steps); each part, and each run within it, "
+                             "is reported on stderr as it starts.")
     explain.add_argument("--json", action="store_true",
                          help="print the results as JSON on stdout instead (progress goes to stderr)")
     explain.add_argument("--plot", metavar="FILE.png", help="also save a plot of deviation vs N (needs matplotlib)")
@@ -83,7 +88,20 @@ def build_parser() -> argparse.ArgumentParser:
                          help="the step's backend (default shard_map)")
     explain.add_argument("--devices", type=_device_list, default=(2, 4, 8), metavar="N,N,...",
                          help="device counts of the matrix (default 2,4,8)")
+    _add_config_parser(sub)
     return parser
+
+
+def _add_config_parser(sub) -> None:
+    config = sub.add_parser("config", help="the config's JSON Schema, for editors",
+                            description="Tools for jdp train's YAML configs.")
+    what = config.add_subparsers(dest="config_command", required=True, metavar="SUBCOMMAND",
+                                 help="what to do with configs")
+    what.add_parser("schema", help="print the config's JSON Schema (draft 2020-12)",
+                    description="Print the JSON Schema of a config on stdout: every section and key with its "
+                    "type, default, allowed values and description; unknown keys are refused. Save it "
+                    "(jdp config schema > jdp.schema.json) and point your editor at it, e.g. a first line "
+                    "'# yaml-language-server: $schema=jdp.schema.json' in a config.")
 
 
 def _devices(requested: int | None):
@@ -218,6 +236,15 @@ def cmd_explain(args) -> int:
     return 0
 
 
+def cmd_config(args) -> int:
+    import json
+
+    from jdp.config_schema import config_schema
+
+    print(json.dumps(config_schema(), indent=2, ensure_ascii=False))  # config_command is "schema", the only one
+    return 0
+
+
 _SUPERVISED = "JDP_SUPERVISED"
 
 
@@ -258,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     if distributed and not os.environ.get(_SUPERVISED):
         return supervise(argv, args.process_id)
     try:
-        return {"train": cmd_train, "explain": cmd_explain, "plot": cmd_plot}[args.command](args)
+        return {"train": cmd_train, "explain": cmd_explain, "plot": cmd_plot, "config": cmd_config}[args.command](args)
     except ValueError as e:  # bad input: one sentence, exit code 2, no traceback
         print(f"jdp: error: {e}", file=sys.stderr)
         return 2

@@ -14,6 +14,7 @@ from typing import ClassVar
 from jdp.data import SEED_REGRESSIONS
 from jdp.optim import OPTIMIZERS, SCHEDULES
 from jdp.options import ACCUM_SYNCS, BACKENDS, LR_CORRECTIONS, REDUCTIONS, OptionError, StepOptions
+from jdp.precision import ALIASES, DTYPES
 from jdp.sections import (BOOL, COUNT, FRACTION, NON_NEGATIVE, NPZ, POSITIVE, POSITIVE_INT, SEED, TWO_WIDTHS, UNIT,
                           WIDTHS, ConfigError, Rule, Section, one_of, or_null)
 
@@ -25,7 +26,7 @@ MODEL_DATA = {"mlp": ("digits", "arrays"), "cnn": ("digits", "arrays"), "gpt": (
 ATTENTIONS = ("flax", "fused", "cudnn")  # the gpt's attention functions, as `jdp.models.gpt.ATTENTIONS` names them
 # train.precision and parallel.reduce_dtype: what the section checks itself (the type); StepOptions
 # checks the value, so "fp16" gets its one-sentence reason and "bf16" its canonical name.
-DTYPE = Rule("'float32' ('fp32') or 'bfloat16' ('bf16')")
+DTYPE = Rule("'float32' ('fp32') or 'bfloat16' ('bf16')", schema={"enum": [*DTYPES, *ALIASES]})
 
 
 def step_option_key(option: str) -> str:
@@ -103,7 +104,9 @@ class DataConfig(Section):
 
     _section: ClassVar[str] = "data"
     _rules: ClassVar[dict[str, Rule]] = dict(
-        name=one_of(DATASETS), path=or_null(NPZ), seed_example=Rule(" or ".join(map(str, SEED_REGRESSIONS)), lambda v: v in SEED_REGRESSIONS),
+        name=one_of(DATASETS), path=or_null(NPZ),
+        seed_example=Rule(" or ".join(map(str, SEED_REGRESSIONS)), lambda v: v in SEED_REGRESSIONS,
+                          schema={"enum": list(SEED_REGRESSIONS)}),
         batch_size=POSITIVE_INT, eval_batch_size=POSITIVE_INT, drop_last=BOOL, test_fraction=FRACTION)
 
 

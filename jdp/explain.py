@@ -15,13 +15,14 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
+from jdp import explain_precision
 from jdp.data import SEED_REGRESSIONS, load_seed_regression
+from jdp.explain_common import Problem, cached_step, cpu_devices, matrix_specs, max_abs_diff, table, train_problem
 from jdp.mesh import DATA_AXIS, make_mesh
 from jdp.optim import OptimizerSpec
 from jdp.reduce import mean_over_devices, sum_over_devices
-from jdp.step import get_params, make_train_step
+from jdp.step import get_params
 
 EXPLAIN_DEVICES = 8  # fake CPU devices `jdp explain` needs
 REDUCTIONS = {  # name -> (reduction, lr_correction)
@@ -32,14 +33,6 @@ REDUCTIONS = {  # name -> (reduction, lr_correction)
 }
 
 
-def cpu_devices(n: int) -> list:
-    devices = jax.devices("cpu")
-    if len(devices) < n:
-        raise ValueError(f"jdp explain needs {n} CPU devices but jax has {len(devices)}; call "
-                         f"jdp.cpu.use_cpu_devices({n}) before any jax computation.")
-    return devices[:n]
-
-
 def _mse(params, batch):
     """Mean squared error of y = x·w (or w·x for scalar w) over the examples given."""
     x = batch["x"]
@@ -47,21 +40,8 @@ def _mse(params, batch):
     return jnp.mean((pred - batch["t"]) ** 2)
 
 
-@functools.lru_cache(maxsize=256)
-def _train_step(loss_fn, spec: OptimizerSpec, reduction: str, lr_correction, n: int, backend: str, reduce_dtype=None):
-    """jdp's step for one configuration, built once and reused by every part that runs it.
-
-    XLA's compilation is ~80% of each run here (~0.3 s against ~1 ms of stepping), and the parts
-    share configurations: the clip threshold is the matrix's SGD reference, the Adam ε sweep and
-    the clipping rates run rows of the matrix (the loss scale is a batch input, so one compiled
-    step serves every scale). `explain()` clears the cache when it returns.
-    """
-    return make_train_step(loss_fn, spec, backend=backend, reduction=reduction, lr_correction=lr_correction,
-                           devices=cpu_devices(n), reduce_dtype=reduce_dtype)
-
-
 def _step_once(x, t, w, lr, n, reduction="mean", lr_correction=None, backend="shard_map"):
-    step = _train_step(_mse, OptimizerSpec("sgd", lr=lr), reduction, lr_correction, n, backend)
+    step = cached_step(_mse, OptimizerSpec("sgd", lr=lr), reduction, lr_correction, n, backend)
     state, _ = step(step.init({"w": np.asarray(w, np.float32)}), {"x": x, "t": t})
     return get_params(state)["w"].astype(np.float64)
 
@@ -101,65 +81,23 @@ def seed_two_params(backend: str = "shard_map") -> dict:
     return _seed_number(2, backend)
 
 
-@dataclass(frozen=True)
-class Problem:
-    """The small fixed problem of the matrix: a 2-layer MLP classifier and a few global batches."""
-
-    params: dict
-    batches: list
-
-    @staticmethod
-    def make(steps: int = 3, global_batch: int = 32, seed: int = 0) -> Problem:
-        rng = np.random.default_rng(seed)
-        params = {"w1": rng.normal(0, 0.5, (8, 16)).astype(np.float32), "b1": np.zeros(16, np.float32),
-                  "w2": rng.normal(0, 0.25, (16, 4)).astype(np.float32), "b2": np.zeros(4, np.float32)}
-        batches = [{"x": rng.normal(size=(global_batch, 8)).astype(np.float32),
-                    "y": rng.integers(0, 4, global_batch).astype(np.int32)} for _ in range(steps)]
-        return Problem(params, batches)
-
-
-def _mlp_loss(params, batch):
-    """The mean cross-entropy times `batch["scale"]` (the same on every example: a loss scale the
-    compiled step takes as input rather than as a constant, so that one compilation serves all)."""
-    h = jnp.tanh(batch["x"] @ params["w1"] + params["b1"])
-    logits = h @ params["w2"] + params["b2"]
-    return batch["scale"][0] * optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-
-
-def _train(problem: Problem, spec: OptimizerSpec, reduction: str, lr_correction, n: int,
-           backend: str = "shard_map", loss_scale: float = 1.0, reduce_dtype=None):
-    """Params after training on `problem`, and the gradient norm each step saw (what clipping sees)."""
-    step = _train_step(_mlp_loss, spec, reduction, lr_correction, n, backend, reduce_dtype)
-    state = step.init(problem.params)
-    scale = np.full(len(problem.batches[0]["y"]), loss_scale, np.float32)
-    norms = []
-    for batch in problem.batches:
-        state, metrics = step(state, {**batch, "scale": scale})
-        norms.append(metrics["grad_norm"])
-    return get_params(state), [float(x) for x in jax.device_get(norms)]
-
-
-def _max_abs_diff(a, b) -> float:
-    return max(float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
-               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
-
-
-def matrix_specs(clip_norm: float) -> dict[tuple[str, bool], OptimizerSpec]:
-    """The optimizer × clipping grid of the matrix."""
-    base = {"sgd": OptimizerSpec("sgd", lr=0.1), "momentum": OptimizerSpec("momentum", lr=0.1),
-            "adam": OptimizerSpec("adam", lr=1e-2), "adamw": OptimizerSpec("adamw", lr=1e-2, weight_decay=0.1)}
-    return {(name, clip): spec.replace(clip_norm=clip_norm if clip else None)
-            for name, spec in base.items() for clip in (False, True)}
-
-
 def clip_threshold(problem: Problem) -> float:
     """A max-norm that the mean gradient stays under while the N× sum exceeds it (1.5× the first norm)."""
-    _, norms = _train(Problem(problem.params, problem.batches[:1]), OptimizerSpec("sgd", lr=0.1), "mean", None, 1)
+    _, norms = train_problem(Problem(problem.params, problem.batches[:1]), OptimizerSpec("sgd", lr=0.1), "mean",
+                             None, 1)
     return float(np.round(1.5 * norms[0], 3))
 
 
+Row = Callable[[int, int, str], object]  # progress(k, n, what): the k-th of n items, doing `what`, starts
+
+
+def _tell(progress: Row | None, k: int, n: int, what: str) -> None:
+    if progress is not None:
+        progress(k, n, what)
+
+
 def deviation_matrix(ns=(2, 4, 8), backend: str = "shard_map", problem: Problem | None = None, *,
-                     progress: Callable[[int, int, str], object] | None = None) -> list[dict]:
+                     progress: Row | None = None) -> list[dict]:
     """max |Δparam| vs the one-device run, for optimizer × clipping × reduction × N.
 
     `progress(k, n, what)` is called as the k-th of its n optimizer × clipping rows starts.
@@ -169,46 +107,52 @@ def deviation_matrix(ns=(2, 4, 8), backend: str = "shard_map", problem: Problem 
     specs = matrix_specs(clip)
     rows = []
     for k, ((name, clipped), spec) in enumerate(specs.items(), 1):
-        if progress is not None:
-            progress(k, len(specs), f"{name}, clip {'on' if clipped else 'off'}")
-        reference, _ = _train(problem, spec, "mean", None, 1, backend)
+        _tell(progress, k, len(specs), f"{name}, clip {'on' if clipped else 'off'}")
+        reference, _ = train_problem(problem, spec, "mean", None, 1, backend)
         for label, (reduction, correction) in REDUCTIONS.items():
             for n in ns:
-                params, _ = _train(problem, spec, reduction, correction, n, backend)
+                params, _ = train_problem(problem, spec, reduction, correction, n, backend)
                 rows.append({"optimizer": name, "clip": clipped, "clip_norm": clip if clipped else None,
                              "reduction": label, "devices": n,
-                             "max_abs_dparam": _max_abs_diff(params, reference)})
+                             "max_abs_dparam": max_abs_diff(params, reference)})
     return rows
 
 
 def adam_eps_sweep(n: int = 8, scales=(1.0, 1e-3, 1e-5, 1e-6, 1e-7, 1e-8, 1e-9, 1e-10),
-                   backend: str = "shard_map") -> list[dict]:
+                   backend: str = "shard_map", *, progress: Row | None = None) -> list[dict]:
     """Adam (ε = 1e-8): how far raw psum strays from pmean as the gradient shrinks towards ε.
 
     The loss is multiplied by `scale`, so gradients scale with it; Adam's step would not change at
     all but for ε. `relative_deviation` = max |Δparam(sum) − Δparam(mean)| / max |Δparam(mean)|.
+    `progress(k, n, what)` is called as each scale starts.
     """
     problem = Problem.make()
     spec = OptimizerSpec("adam", lr=1e-2)
     n_params = sum(np.size(p) for p in jax.tree.leaves(problem.params))
     rows = []
-    for scale in scales:
-        mean, norms = _train(problem, spec, "mean", None, n, backend, scale)
-        raw, _ = _train(problem, spec, "sum", "none", n, backend, scale)
-        moved = _max_abs_diff(mean, problem.params)
+    for k, scale in enumerate(scales, 1):
+        _tell(progress, k, len(scales), f"loss × {scale:g}, mean and raw sum on {n} devices")
+        mean, norms = train_problem(problem, spec, "mean", None, n, backend, scale)
+        raw, _ = train_problem(problem, spec, "sum", "none", n, backend, scale)
+        moved = max_abs_diff(mean, problem.params)
         rows.append({"loss_scale": scale, "rms_grad": norms[0] / np.sqrt(n_params),
-                     "relative_deviation": _max_abs_diff(raw, mean) / moved})
+                     "relative_deviation": max_abs_diff(raw, mean) / moved})
     return rows
 
 
-def clipping_rates(n: int = 8, steps: int = 20, backend: str = "shard_map") -> list[dict]:
-    """How many of `steps` steps each reduction clips, at one max-norm, with SGD + clip."""
+def clipping_rates(n: int = 8, steps: int = 20, backend: str = "shard_map", *,
+                   progress: Row | None = None) -> list[dict]:
+    """How many of `steps` steps each reduction clips, at one max-norm, with SGD + clip.
+
+    `progress(k, n, what)` is called as each reduction starts.
+    """
     problem = Problem.make(steps=steps)
     clip = clip_threshold(problem)
     spec = OptimizerSpec("sgd", lr=0.1, clip_norm=clip)
     rows = []
-    for label, (reduction, correction) in REDUCTIONS.items():
-        _, norms = _train(problem, spec, reduction, correction, n, backend)
+    for k, (label, (reduction, correction)) in enumerate(REDUCTIONS.items(), 1):
+        _tell(progress, k, len(REDUCTIONS), f"{label}, {steps} steps on {n} devices")
+        _, norms = train_problem(problem, spec, reduction, correction, n, backend)
         threshold = clip * n if correction == "exact" else clip  # what the clip transform compares with
         rows.append({"reduction": label, "clip_norm": threshold, "steps": steps,
                      "clipped_steps": int(sum(x > threshold for x in norms)),
@@ -247,8 +191,8 @@ CONCLUSION = (
 
 # The parts of `explain()`'s report, in the order it computes them: result key -> what it is.
 PARTS = {"seed_single_param": "seed regression 1", "seed_two_params": "seed regression 2",
-         "matrix": "deviation matrix", "adam_eps": "Adam ε sweep", "clipping": "clipping rates",
-         "fp16": "fp16 overflow"}
+         "matrix": "deviation matrix", "bf16_comm": "bf16 gradient communication", "adam_eps": "Adam ε sweep",
+         "clipping": "clipping rates", "fp16": "fp16 overflow"}
 
 
 @dataclass(frozen=True)
@@ -263,34 +207,32 @@ class Progress:
 
     def __str__(self) -> str:
         text = f"part {self.number} of {len(PARTS)}: {self.name}"
-        if self.items > 1:
+        if self.what or self.items > 1:  # an item of the part
             text += f", {self.item} of {self.items}" + (f" ({self.what})" if self.what else "")
         return text
 
 
 def explain(ns=(2, 4, 8), backend: str = "shard_map", progress: Callable[[Progress], object] | None = None) -> dict:
     """All of `jdp explain`'s results, as plain data. `progress(Progress)`, if given, is called as
-    each part starts and as each row of the deviation matrix (most of the time) starts."""
-    from jdp.explain_precision import bf16_communication  # here: that module imports this one
+    each part starts and as each of its items (matrix rows, bf16 runs, loss scales, reductions) starts."""
     tell = progress or (lambda event: None)
     t0 = time.perf_counter()
     n = max(ns)
     runs = {"seed_single_param": lambda row: seed_single_param(backend),
             "seed_two_params": lambda row: seed_two_params(backend),
             "matrix": lambda row: deviation_matrix(ns, backend, progress=row),
-            "adam_eps": lambda row: adam_eps_sweep(n, backend=backend),
-            "clipping": lambda row: clipping_rates(n, backend=backend),
+            "bf16_comm": lambda row: explain_precision.bf16_communication(ns, backend, progress=row),
+            "adam_eps": lambda row: adam_eps_sweep(n, backend=backend, progress=row),
+            "clipping": lambda row: clipping_rates(n, backend=backend, progress=row),
             "fp16": lambda row: fp16_overflow(n)}
     results = {}
     try:
         for number, (key, run) in enumerate(runs.items(), 1):
             part = functools.partial(Progress, number, PARTS[key])
             tell(part())
-            results[key] = run(lambda k, total, what: tell(part(k, total, what)))  # called before the next part
-            if key == "matrix":  # part 3 goes on: the matrix's problem and references, with a bf16 all-reduce
-                results["bf16_comm"] = bf16_communication(ns, backend)
+            results[key] = run(lambda k, total, what: tell(part(k, total, what)))
     finally:
-        _train_step.cache_clear()  # the compiled steps are of no use to anything else
+        cached_step.cache_clear()  # the compiled steps are of no use to anything else
     return {**results, "conclusion": CONCLUSION, "backend": backend, "seconds": round(time.perf_counter() - t0, 1)}
 
 
@@ -317,26 +259,34 @@ def _fmt(x: float) -> str:
 
 
 def _seed_table(title: str, seed: dict):
-    from rich.table import Table
-
     n, lr = seed["devices"], seed["lr"]
-    table = Table(title=title, title_justify="left")
-    for col in ("run", "gradient", "w after one step"):
-        table.add_column(col)
+    t = table(title, "run", "gradient", "w after one step")
     fmt = lambda v: str(v if isinstance(v, list) else round(v, 4))  # noqa: E731
-    table.add_row(f"1 device, whole batch (lr {lr})", fmt(seed["one_device"]["grad"]), fmt(seed["one_device"]["w"]))
+    t.add_row(f"1 device, whole batch (lr {lr})", fmt(seed["one_device"]["grad"]), fmt(seed["one_device"]["w"]))
     for i, g in enumerate(seed["local_grads"]):
-        table.add_row(f"  device {i + 1}, its shard only", fmt(g), "")
-    table.add_row(f"{n} devices, mean (pmean)", fmt(seed["mean"]["grad"]), fmt(seed["mean"]["w"]))
-    table.add_row(f"{n} devices, sum (psum)", fmt(seed["sum"]["grad"]), fmt(seed["sum"]["w"]))
-    table.add_row(f"{n} devices, sum with lr/{n} = {seed['sum_lr_over_n']['lr']:g}", "", fmt(seed["sum_lr_over_n"]["w"]))
-    return table
+        t.add_row(f"  device {i + 1}, its shard only", fmt(g), "")
+    t.add_row(f"{n} devices, mean (pmean)", fmt(seed["mean"]["grad"]), fmt(seed["mean"]["w"]))
+    t.add_row(f"{n} devices, sum (psum)", fmt(seed["sum"]["grad"]), fmt(seed["sum"]["w"]))
+    t.add_row(f"{n} devices, sum with lr/{n} = {seed['sum_lr_over_n']['lr']:g}", "", fmt(seed["sum_lr_over_n"]["w"]))
+    return t
+
+
+def _matrix_table(rows: list[dict]):
+    ns = sorted({r["devices"] for r in rows})
+    clip = next((r["clip_norm"] for r in rows if r["clip"]), None)
+    columns = [f"N={n}" for n in ns]
+    t = table(f"max |Δparam| vs one device after {len(Problem.make().batches)} steps (MLP 8-16-4, global batch 32; "
+              f"clip = clip_by_global_norm({clip}))", "optimizer", "clip", "reduction", *columns, right=tuple(columns))
+    for key in dict.fromkeys((r["optimizer"], r["clip"], r["reduction"]) for r in rows):
+        vals = {r["devices"]: r["max_abs_dparam"] for r in rows if (r["optimizer"], r["clip"], r["reduction"]) == key}
+        cells = [f"[green]{_fmt(vals[n])}[/green]" if vals[n] <= 1e-6 else f"[red]{_fmt(vals[n])}[/red]" for n in ns]
+        t.add_row(key[0], "on" if key[1] else "off", key[2], *cells)
+    return t
 
 
 def render(results: dict, console=None) -> None:
-    """Print `explain()`'s results as tables (rich)."""
+    """Print `explain()`'s results as tables (rich), each within `console`'s width (80 when piped)."""
     from rich.console import Console
-    from rich.table import Table
 
     console = console or Console()
     console.print("[bold]Why average? jdp's step on fake CPU devices[/bold] "
@@ -344,58 +294,39 @@ def render(results: dict, console=None) -> None:
     one, two = results["seed_single_param"], results["seed_two_params"]
     console.print(_seed_table(f"Seed 1: y = w·x, MSE, w = {one['w0']:g}", one))
     console.print(_seed_table(f"Seed 2: y = w1·x1 + w2·x2, MSE, w = ({', '.join(map(str, two['w0']))})", two))
+    console.print(_matrix_table(results["matrix"]))
+    explain_precision.render_bf16_communication(results["bf16_comm"], console)
 
-    rows = results["matrix"]
-    ns = sorted({r["devices"] for r in rows})
-    clip = next((r["clip_norm"] for r in rows if r["clip"]), None)
-    table = Table(title=f"max |Δparam| vs one device after {len(Problem.make().batches)} steps "
-                  f"(MLP 8-16-4, global batch 32; clip = clip_by_global_norm({clip}))", title_justify="left")
-    for col in ("optimizer", "clip", "reduction", *[f"N={n}" for n in ns]):
-        table.add_column(col, justify="right" if col.startswith("N=") else "left")
-    for key in dict.fromkeys((r["optimizer"], r["clip"], r["reduction"]) for r in rows):
-        vals = {r["devices"]: r["max_abs_dparam"] for r in rows if (r["optimizer"], r["clip"], r["reduction"]) == key}
-        cells = [f"[green]{_fmt(vals[n])}[/green]" if vals[n] <= 1e-6 else f"[red]{_fmt(vals[n])}[/red]" for n in ns]
-        table.add_row(key[0], "on" if key[1] else "off", key[2], *cells)
-    console.print(table)
-
-    table = Table(title="Adam (ε = 1e-8): raw sum vs mean as gradients shrink towards ε", title_justify="left")
-    for col in ("loss × ", "RMS gradient", "|Δ(sum) − Δ(mean)| / |Δ(mean)|"):
-        table.add_column(col, justify="right")
+    right = ("loss ×", "RMS gradient", "|Δ(sum) − Δ(mean)| / |Δ(mean)|")
+    t = table("Adam (ε = 1e-8): raw sum vs mean as gradients shrink towards ε", *right, right=right)
     for r in results["adam_eps"]:
-        table.add_row(f"{r['loss_scale']:g}", f"{r['rms_grad']:.1e}", f"{r['relative_deviation']:.2e}")
-    console.print(table)
+        t.add_row(f"{r['loss_scale']:g}", f"{r['rms_grad']:.1e}", f"{r['relative_deviation']:.2e}")
+    console.print(t)
 
-    table = Table(title="Clipping: steps clipped at one max-norm (SGD + clip_by_global_norm)", title_justify="left")
-    for col in ("reduction", "threshold compared", "median norm seen", "clipped steps"):
-        table.add_column(col, justify="right")
+    right = ("reduction", "threshold compared", "median norm seen", "clipped steps")
+    t = table("Clipping: steps clipped at one max-norm (SGD + clip_by_global_norm)", *right, right=right)
     for r in results["clipping"]:
-        table.add_row(r["reduction"], f"{r['clip_norm']:g}", f"{r['median_grad_norm_seen']:.3f}",
-                      f"{r['clipped_steps']} of {r['steps']}")
-    console.print(table)
+        t.add_row(r["reduction"], f"{r['clip_norm']:g}", f"{r['median_grad_norm_seen']:.3f}",
+                  f"{r['clipped_steps']} of {r['steps']}")
+    console.print(t)
 
     f = results["fp16"]
-    table = Table(title=f"fp16: {f['devices']} devices' gradients {f['per_device_grads'][0]:g}..{f['per_device_grads'][-1]:g} "
-                  f"(fp16 max {f['fp16_max']:g}; true mean {f['true_mean']:g})", title_justify="left")
-    table.add_column("reduction")
-    table.add_column("result", justify="right")
-    table.add_row("psum", str(f["psum"]))
-    table.add_row("lax.pmean (sum, then divide)", str(f["lax_pmean"]))
-    table.add_row("jdp mean (divide, then sum)", str(f["jdp_mean_divide_first"]))
-    console.print(table)
-    from jdp.explain_precision import render_bf16_communication  # (imports this module)
-    render_bf16_communication(results["bf16_comm"], console)
+    t = table(f"fp16: {f['devices']} devices' gradients {f['per_device_grads'][0]:g}..{f['per_device_grads'][-1]:g} "
+              f"(fp16 max {f['fp16_max']:g}; true mean {f['true_mean']:g})", "reduction", "result", right=("result",))
+    t.add_row("psum", str(f["psum"]))
+    t.add_row("lax.pmean (sum, then divide)", str(f["lax_pmean"]))
+    t.add_row("jdp mean (divide, then sum)", str(f["jdp_mean_divide_first"]))
+    console.print(t)
     console.print("\n[bold]Conclusion.[/bold] " + results["conclusion"])
 
 
 def plot(results: dict, path: str) -> None:
     """Save deviation vs N, one panel per optimizer, one line per reduction (needs matplotlib)."""
-    try:
-        import matplotlib
+    from jdp.extras import require
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ValueError("--plot needs matplotlib: pip install 'jdp[plot]'.") from None
+    require("matplotlib", "plot", "--plot").use("Agg")
+    import matplotlib.pyplot as plt
+
     rows = results["matrix"]
     optimizers = list(dict.fromkeys(r["optimizer"] for r in rows))
     fig, axes = plt.subplots(1, len(optimizers), figsize=(4 * len(optimizers), 3.6), sharey=True)

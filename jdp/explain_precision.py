@@ -1,6 +1,6 @@
 """`jdp explain`'s bf16 gradient communication: what `reduce_dtype="bfloat16"` costs in params.
 
-The deviation matrix's problem (`jdp.explain.Problem`: MLP 8-16-4, global batch 32, K = 3 steps),
+The deviation matrix's problem (`jdp.explain_common.Problem`: MLP 8-16-4, global batch 32, K = 3 steps),
 trained by jdp's step on N fake CPU devices with the gradient all-reduced in bfloat16, against ONE
 float32 device; beside it the same N with the all-reduce in float32 (the gradient's own dtype).
 Forward and backward stay float32 here: only the communication changes.
@@ -15,10 +15,12 @@ rounding alone.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from jdp.comm import parse_collectives
-from jdp.explain import Problem, _max_abs_diff, _mlp_loss, _train, _train_step, matrix_specs
+from jdp.explain_common import Problem, cached_step, matrix_specs, max_abs_diff, mlp_loss, table, train_problem
 
 OPTIMIZERS = ("sgd", "adam")  # the matrix's specs, clipping off: a linear update and a normalised one
 REDUCE_DTYPES = ("float32", "bfloat16")
@@ -39,34 +41,41 @@ def _reduce_dtype(name: str) -> str | None:
 def program_allreduce_bytes(n: int, reduce_dtype: str, problem: Problem, backend: str = "shard_map") -> int:
     """Bytes per device that the LOWERED step's all-reduces carry (gradient + loss), before any backend
     pass: the bf16 program sends half the gradient bytes even where the CPU later widens it to f32."""
-    step = _train_step(_mlp_loss, _spec("sgd"), "mean", None, n, backend, _reduce_dtype(reduce_dtype))
+    step = cached_step(mlp_loss, _spec("sgd"), "mean", None, n, backend, _reduce_dtype(reduce_dtype))
     batch = {**problem.batches[0], "scale": np.ones(len(problem.batches[0]["y"]), np.float32)}
     hlo = step.lower(step.init(problem.params), batch).as_text(dialect="hlo")
     return sum(c["bytes"] for c in parse_collectives(hlo) if c["kind"] == "all-reduce")
 
 
 def bf16_communication(ns=(2, 4, 8), backend: str = "shard_map", problem: Problem | None = None,
-                       optimizers=OPTIMIZERS) -> dict:
+                       optimizers=OPTIMIZERS, *, progress: Callable[[int, int, str], object] | None = None) -> dict:
     """max |Δparam| vs one float32 device, for optimizer × all-reduce dtype × N (bf16 also at N = 1).
 
     Returns plain data: `rows` ({optimizer, reduce_dtype, devices, max_abs_dparam, relative}, where
     relative = max_abs_dparam / movement), `movement` (per optimizer: max |param after K steps −
     initial param| of the one-device run, the scale of what training changed), `steps`,
     `program_allreduce_bytes` (at max N, per dtype) and `bf16_unit_roundoff` (2^-8).
+    `progress(k, n, what)` is called as each optimizer × dtype, and the program's bytes, start.
     """
     problem = problem or Problem.make()
+    tell = progress or (lambda k, total, what: None)
+    items = len(optimizers) * len(REDUCE_DTYPES) + 1
     rows, movement = [], {}
-    for name in optimizers:
+    for i, name in enumerate(optimizers):
         spec = _spec(name)
-        reference, _ = _train(problem, spec, "mean", None, 1, backend)  # the matrix's reference step
-        movement[name] = _max_abs_diff(reference, problem.params)
-        for dtype in REDUCE_DTYPES:
-            for n in ((1, *ns) if dtype == "bfloat16" else ns):
-                params, _ = _train(problem, spec, "mean", None, n, backend, reduce_dtype=_reduce_dtype(dtype))
-                dev = _max_abs_diff(params, reference)
+        reference, _ = train_problem(problem, spec, "mean", None, 1, backend)  # the matrix's reference step
+        movement[name] = max_abs_diff(reference, problem.params)
+        for j, dtype in enumerate(REDUCE_DTYPES):
+            counts = (1, *ns) if dtype == "bfloat16" else ns
+            what = f"{name}, all-reduce in {dtype}, N = {', '.join(map(str, counts))}"
+            tell(i * len(REDUCE_DTYPES) + j + 1, items, what)
+            for n in counts:
+                params, _ = train_problem(problem, spec, "mean", None, n, backend, reduce_dtype=_reduce_dtype(dtype))
+                dev = max_abs_diff(params, reference)
                 rows.append({"optimizer": name, "reduce_dtype": dtype, "devices": n, "max_abs_dparam": dev,
                              "relative": dev / movement[name]})
     n = max(ns)
+    tell(items, items, f"the lowered program's all-reduce bytes at N = {n}")
     return {"steps": len(problem.batches), "rows": rows, "movement": movement, "bf16_unit_roundoff": BF16_UNIT_ROUNDOFF,
             "program_allreduce_bytes": {"devices": n, **{d: program_allreduce_bytes(n, d, problem, backend)
                                                          for d in REDUCE_DTYPES}}}
@@ -81,22 +90,23 @@ def _share(x: float) -> str:
 
 
 def render_bf16_communication(section: dict, console) -> None:
-    """Print `bf16_communication()`'s result as a rich table and one line on the program's bytes."""
-    from rich.table import Table
+    """Print `bf16_communication()`'s result as a rich table and one line on the program's bytes.
 
+    One row per device count and one column per optimizer × dtype: more device counts make the
+    table longer, not wider (it fits 80 columns, the width when piped)."""
     rows = section["rows"]
     ns = sorted({r["devices"] for r in rows})
-    table = Table(title=f"bf16 gradient communication: max |Δparam| vs one float32 device after {section['steps']} "
-                  "steps (reduce_dtype; forward and backward in float32)", title_justify="left")
-    for col in ("optimizer", "all-reduce in", *[f"N={n}" for n in ns], "params moved", "worst / moved"):
-        table.add_column(col, justify="left" if col in ("optimizer", "all-reduce in") else "right")
-    for name in dict.fromkeys(r["optimizer"] for r in rows):
-        for dtype in REDUCE_DTYPES:
-            mine = {r["devices"]: r for r in rows if (r["optimizer"], r["reduce_dtype"]) == (name, dtype)}
-            cells = [_fmt(mine[n]["max_abs_dparam"]) if n in mine else "" for n in ns]
-            worst = max(r["relative"] for r in mine.values())
-            table.add_row(name, dtype, *cells, f"{section['movement'][name]:.3f}", _share(worst))
-    console.print(table)
+    pairs = [(name, dtype) for name in dict.fromkeys(r["optimizer"] for r in rows) for dtype in REDUCE_DTYPES]
+    by = {(r["optimizer"], r["reduce_dtype"], r["devices"]): r for r in rows}
+    columns = [f"{name} {dtype}" for name, dtype in pairs]
+    t = table(f"bf16 gradient communication: max |Δparam| vs one float32 device after {section['steps']} steps "
+              "(reduce_dtype; forward and backward in float32)", "all-reduce over", *columns, right=tuple(columns))
+    for n in ns:
+        t.add_row(f"N={n}", *[_fmt(by[(*p, n)]["max_abs_dparam"]) if (*p, n) in by else "" for p in pairs])
+    t.add_section()
+    t.add_row("params moved", *[f"{section['movement'][name]:.3f}" for name, _ in pairs])
+    t.add_row("worst / moved", *[_share(max(r["relative"] for k, r in by.items() if k[:2] == p)) for p in pairs])
+    console.print(t)
     b = section["program_allreduce_bytes"]
     console.print(f"bf16 rounds each value to within {section['bf16_unit_roundoff']:.2%}; N=1 has no all-reduce, only "
                   f"jdp's cast to bf16 and back. The program's all-reduces at N={b['devices']}: {b['float32']} bytes "

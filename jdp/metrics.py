@@ -49,11 +49,10 @@ class TensorBoard:
     """Scalars to TensorBoard event files under `workdir/tensorboard` (needs tensorboardX)."""
 
     def __init__(self, workdir: str):
-        try:
-            from tensorboardX import SummaryWriter
-        except ImportError:
-            raise ValueError("--tensorboard needs tensorboardX: pip install 'jdp[tensorboard]'.") from None
-        self._writer = SummaryWriter(os.path.join(workdir, "tensorboard"))
+        from jdp.extras import require
+
+        writer = require("tensorboardX", "tensorboard", "--tensorboard").SummaryWriter
+        self._writer = writer(os.path.join(workdir, "tensorboard"))
 
     def write(self, record: dict) -> None:
         """Every scalar of `record` except its "step", at that step."""
@@ -211,10 +210,12 @@ def load_metrics(workdir: str) -> list[dict]:
     return records
 
 
-def plot_metrics(workdir: str, path: str | None = None) -> str:
-    """Save a PNG of the loss (train, eval) and accuracy curves of a run; returns its path."""
+def plot_metrics(workdir: str, path: str | None = None, name: str | None = None) -> str:
+    """Save a PNG of the loss (train, eval) and accuracy curves of a run; returns its path.
+
+    `name` titles the figure (default: the run directory's name)."""
     records = load_metrics(workdir)
-    fig = curves_figure(records)
+    fig = curves_figure(records, name or os.path.basename(os.path.abspath(workdir)))
     path = path or os.path.join(workdir, "curves.png")
     try:
         fig.savefig(path, dpi=110)
@@ -225,28 +226,38 @@ def plot_metrics(workdir: str, path: str | None = None) -> str:
     return path
 
 
-def curves_figure(records: list[dict]):
-    """The matplotlib Figure `plot_metrics` saves: loss and accuracy against the optimizer step.
+# metrics.jsonl key -> (panel, legend label, marked); evaluation points are few: each gets a marker.
+CURVES = {"loss": ("loss", "train (the logged step's batch)", False),
+          "eval_loss": ("loss", "held-out", True),
+          "train_accuracy": ("accuracy", "train (the logged step's batch)", False),
+          "eval_accuracy": ("accuracy", "held-out", True)}
+
+
+def curves_figure(records: list[dict], name: str | None = None):
+    """The matplotlib Figure `plot_metrics` saves: loss and accuracy against the optimizer step, titled `name`.
 
     Evaluation series, and any series of a single record, are drawn with markers: a line through
     one point is drawn as nothing (a run of one logged step, or the first eval of a long run).
     """
-    try:
-        import matplotlib
+    from jdp.extras import require
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ValueError("jdp plot needs matplotlib: pip install 'jdp[plot]'.") from None
-    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 3.6))
-    for key, ax in (("loss", ax_loss), ("train_accuracy", ax_acc), ("eval_loss", ax_loss), ("eval_accuracy", ax_acc)):
+    matplotlib = require("matplotlib", "plot", "jdp plot")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    panels = dict(zip(("loss", "accuracy"), axes))
+    for key, (panel, label, marked) in CURVES.items():
         pts = [(r["step"], r[key]) for r in records if key in r]
         if pts:
-            marked = key.startswith("eval") or len(pts) == 1
-            ax.plot(*np.array(pts).T, marker="o" if marked else None, label=key)
-    for ax, title in ((ax_loss, "loss"), (ax_acc, "accuracy")):
-        ax.set(title=title, xlabel="optimizer step")
+            marked = marked or len(pts) == 1
+            panels[panel].plot(*np.array(pts).T, marker="o" if marked else None, markersize=6,
+                               linestyle="--" if marked else "-", label=label, gid=key, zorder=3 if marked else 2)
+    for ax, ylabel in zip(axes, ("loss (mean per example)", "accuracy (fraction correct)")):
+        ax.set(xlabel="optimizer step", ylabel=ylabel)
+        ax.grid(alpha=0.3)
         if ax.lines:
             ax.legend()
+    fig.suptitle(f"{name}: loss and accuracy" if name else "loss and accuracy")
     fig.tight_layout()
     return fig

@@ -24,7 +24,7 @@ import re
 import textwrap
 import typing
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 import yaml
@@ -51,35 +51,43 @@ def quoted(value) -> str:
 
 @dataclass(frozen=True)
 class Rule:
-    """What a field accepts: `desc` completes "KEY must be ..."; `ok` tests the type-checked value."""
+    """What a field accepts: `desc` completes "KEY must be ..."; `ok` tests the type-checked value.
+
+    `schema` says what `ok` tests as JSON Schema keywords on the value (`jdp config schema`): e.g.
+    {"minimum": 1}, {"enum": [...]}, {"items": {...}} for a list; a rule without them still gets
+    its field's type in the schema, and `desc` in its description.
+    """
 
     desc: str
     ok: Callable[[Any], bool] = lambda v: True
     top: int = 2**31 - 1  # the largest integer (or list item) taken: jax computes with int32
+    schema: dict = field(default_factory=dict, compare=False)
 
 
-def one_of(choices: Iterable[str]) -> Rule:
+def one_of(choices: Iterable) -> Rule:
     """A field that takes one of `choices`."""
     choices = tuple(choices)
-    return Rule(f"one of {', '.join(choices)}", lambda v: v in choices)
+    return Rule(f"one of {', '.join(map(str, choices))}", lambda v: v in choices, schema={"enum": list(choices)})
 
 
 def or_null(rule: Rule) -> Rule:
     """A field that takes null, or what `rule` takes."""
-    return Rule(f"null or {rule.desc}", rule.ok)  # None never reaches `ok`
+    return Rule(f"null or {rule.desc}", rule.ok, rule.top, rule.schema)  # None never reaches `ok`
 
 
-POSITIVE_INT = Rule("a positive integer", lambda v: v >= 1)
-COUNT = Rule("an integer of at least 0", lambda v: v >= 0)
-SEED = Rule(COUNT.desc, COUNT.ok, top=2**63 - 1)  # jax.random.key and numpy take 64-bit seeds
-POSITIVE = Rule("a positive number", lambda v: v > 0)
-NON_NEGATIVE = Rule("a number of at least 0", lambda v: v >= 0)
-UNIT = Rule("a number in [0, 1)", lambda v: 0 <= v < 1)
-FRACTION = Rule("a number strictly between 0 and 1", lambda v: 0 < v < 1)
+POSITIVE_INT = Rule("a positive integer", lambda v: v >= 1, schema={"minimum": 1})
+COUNT = Rule("an integer of at least 0", lambda v: v >= 0, schema={"minimum": 0})
+SEED = Rule(COUNT.desc, COUNT.ok, top=2**63 - 1, schema=COUNT.schema)  # jax.random.key and numpy take 64-bit seeds
+POSITIVE = Rule("a positive number", lambda v: v > 0, schema={"exclusiveMinimum": 0})
+NON_NEGATIVE = Rule("a number of at least 0", lambda v: v >= 0, schema={"minimum": 0})
+UNIT = Rule("a number in [0, 1)", lambda v: 0 <= v < 1, schema={"minimum": 0, "exclusiveMaximum": 1})
+FRACTION = Rule("a number strictly between 0 and 1", lambda v: 0 < v < 1,
+                schema={"exclusiveMinimum": 0, "exclusiveMaximum": 1})
 BOOL = Rule("true or false")
-WIDTHS = Rule("a list of positive integers", lambda v: all(w >= 1 for w in v))
-TWO_WIDTHS = Rule("a list of two positive integers", lambda v: len(v) == 2 and all(w >= 1 for w in v))
-NPZ = Rule("the path of a .npz file", lambda v: v.lower().endswith(".npz"))
+WIDTHS = Rule("a list of positive integers", lambda v: all(w >= 1 for w in v), schema={"items": {"minimum": 1}})
+TWO_WIDTHS = Rule("a list of two positive integers", lambda v: len(v) == 2 and all(w >= 1 for w in v),
+                  schema={"items": {"minimum": 1}, "minItems": 2, "maxItems": 2})
+NPZ = Rule("the path of a .npz file", lambda v: v.lower().endswith(".npz"), schema={"pattern": r"\.[nN][pP][zZ]$"})
 
 _BAD = object()  # _coerce's "wrong type"
 # YAML 1.1 reads 3e-4 as a string; these are the numbers it misses (YAML 1.2's float syntax).

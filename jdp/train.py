@@ -305,9 +305,11 @@ def _describe(task, config: Config, devices, start: int, end: int) -> str:
     p, n, batch = config.parallel, len(devices), config.data.batch_size
     if start == config.train.steps:
         return f"{task.description}: the run is complete ({start} of {config.train.steps} steps), nothing to train"
+    each = batch // (p.accum_steps * n)
+    plural = lambda k, what: f"{k} {what}{'' if k == 1 else 's'}"  # noqa: E731
     return (f"{task.description}: {start} -> {end} of {config.train.steps} steps on {n} {devices[0].platform} "
-            f"device(s), global batch {batch} = {p.accum_steps} × {n} × {batch // (p.accum_steps * n)}, "
-            f"{p.backend}, reduction {p.reduction}")
+            f"device(s), global batch {batch} = {plural(p.accum_steps, 'accumulation step')} × {plural(n, 'device')} "
+            f"× {plural(each, 'example')} per device, {p.backend}, reduction {p.reduction}")
 
 
 class _Throughput:

@@ -54,6 +54,8 @@ QUICK = (
     "test_zero.py::test_config_key_and_its_refusal",
     "test_docs.py::test_every_file_the_pages_name_exists",
     "test_docs.py::test_config_reference_names_every_field_with_its_rule",
+    "test_config_schema.py::test_cli_prints_the_schema", "test_papercuts.py::test_version_flag_prints_the_package_version",
+    "test_papercuts.py::test_explain_tables_fit_80_columns_when_piped",
 )
 
 

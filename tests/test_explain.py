@@ -9,6 +9,7 @@ import pytest
 from rich.console import Console
 
 from jdp import explain as ex
+from jdp import explain_common as common
 from jdp import explain_precision as exp
 
 SEED_1 = {"one_device": {"grad": -8.5, "w": 1.085}, "local_grads": [-8.0, -9.0],
@@ -65,12 +66,22 @@ def test_cli_json(monkeypatch, capsys):
 
     specs, sweep, rates = ex.matrix_specs, ex.adam_eps_sweep, ex.clipping_rates
     monkeypatch.setattr(ex, "matrix_specs", lambda clip: {k: v for k, v in specs(clip).items() if k[0] == "sgd"})
-    monkeypatch.setattr(ex, "adam_eps_sweep", lambda n, backend="shard_map": sweep(n, scales=(1.0,), backend=backend))
-    monkeypatch.setattr(ex, "clipping_rates", lambda n, backend="shard_map": rates(n, steps=2, backend=backend))
+    monkeypatch.setattr(ex, "adam_eps_sweep", lambda n, backend, progress: sweep(n, (1.0,), backend, progress=progress))
+    monkeypatch.setattr(ex, "clipping_rates", lambda n, backend, progress: rates(n, 2, backend, progress=progress))
     bf16 = exp.bf16_communication
-    monkeypatch.setattr(exp, "bf16_communication", lambda ns, backend: bf16(ns, backend, optimizers=("sgd",)))
+    monkeypatch.setattr(exp, "bf16_communication",
+                        lambda ns, backend, progress: bf16(ns, backend, optimizers=("sgd",), progress=progress))
     assert jdp.cli.main(["explain", "--json", "--devices", "2"]) == 0
-    results = json.loads(capsys.readouterr().out)  # stdout is the JSON document and nothing else
+    out, err = capsys.readouterr()
+    results = json.loads(out)  # stdout is the JSON document and nothing else
+    # every part that runs several things reports each as it starts, saying what it does
+    for line in ("part 3 of 7: deviation matrix, 2 of 2 (sgd, clip on)",
+                 "part 4 of 7: bf16 gradient communication, 1 of 3 (sgd, all-reduce in float32, N = 2)",
+                 "part 4 of 7: bf16 gradient communication, 2 of 3 (sgd, all-reduce in bfloat16, N = 1, 2)",
+                 "part 4 of 7: bf16 gradient communication, 3 of 3 (the lowered program's all-reduce bytes at N = 2)",
+                 "part 5 of 7: Adam ε sweep, 1 of 1 (loss × 1, mean and raw sum on 2 devices)",
+                 "part 6 of 7: clipping rates, 4 of 4 (sum + exact, 2 steps on 2 devices)"):
+        assert f"jdp explain: {line}\n" in err, err
     assert set(results) >= {"seed_single_param", "seed_two_params", "matrix", "adam_eps", "clipping", "fp16",
                             "bf16_comm", "conclusion", "backend"}
     assert_bf16_costs_rounding(results["bf16_comm"])
@@ -87,10 +98,11 @@ def test_cli_json(monkeypatch, capsys):
     assert {r["reduction"]: r["clipped_steps"] for r in results["clipping"]} == {
         "mean": 0, "sum raw": 2, "sum + auto LR": 2, "sum + exact": 0}
     np.testing.assert_allclose(results["fp16"]["jdp_mean_divide_first"], results["fp16"]["true_mean"], rtol=2e-3)
-    console = Console(file=io.StringIO(), width=160)
-    ex.render(results, console)  # the tables, from the JSON document as printed
+    console = Console(file=io.StringIO(), width=80)
+    ex.render(results, console)  # the tables, from the JSON document as printed, in 80 columns
     text = console.file.getvalue()
     assert "bf16 gradient communication" in text and "Conclusion." in text
+    assert "…" not in text and max(map(len, text.splitlines())) <= 80
 
 
 # bf16 keeps 8 significant bits: each rounding is within 2^-8 of the value. A step's all-reduced
@@ -125,13 +137,13 @@ def test_bf16_communication_costs_bf16_rounding_and_float32_nothing():
 
 def test_bf16_check_fails_when_reduce_dtype_is_ignored(monkeypatch):
     """The checks above catch a step that drops reduce_dtype: its "bf16" runs are float32 ones."""
-    real = ex.make_train_step
-    monkeypatch.setattr(ex, "make_train_step", lambda *a, reduce_dtype=None, **k: real(*a, **k))
-    ex._train_step.cache_clear()
+    real = common.make_train_step
+    monkeypatch.setattr(common, "make_train_step", lambda *a, reduce_dtype=None, **k: real(*a, **k))
+    common.cached_step.cache_clear()
     try:
         section = exp.bf16_communication(ns=(2,), optimizers=("sgd",))
     finally:
-        ex._train_step.cache_clear()  # no step built without reduce_dtype outlives this test
+        common.cached_step.cache_clear()  # no step built without reduce_dtype outlives this test
     with pytest.raises(AssertionError):
         assert_bf16_costs_rounding(section)
 
@@ -139,9 +151,9 @@ def test_bf16_check_fails_when_reduce_dtype_is_ignored(monkeypatch):
 def test_reduce_dtype_float32_is_the_float32_step():
     """The section's float32 column reuses the matrix's steps (reduce_dtype None): the same numbers."""
     problem, spec = ex.Problem.make(steps=2), ex.matrix_specs(1.0)[("adam", False)]
-    cast, _ = ex._train(problem, spec, "mean", None, 4, reduce_dtype="float32")
-    own, _ = ex._train(problem, spec, "mean", None, 4)
-    assert ex._max_abs_diff(cast, own) == 0.0
+    cast, _ = common.train_problem(problem, spec, "mean", None, 4, reduce_dtype="float32")
+    own, _ = common.train_problem(problem, spec, "mean", None, 4)
+    assert common.max_abs_diff(cast, own) == 0.0
 
 
 def test_cli_rejects_bad_plot_path():

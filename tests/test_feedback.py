@@ -11,6 +11,7 @@ import pytest
 
 import jdp.cli
 from jdp import explain as ex
+from jdp import explain_common as common
 from jdp.checkpoint import latest_params
 from jdp.config import load_config, run_identity
 from jdp.metrics import curves_figure
@@ -23,18 +24,21 @@ TINY_MLP = ["--set", "model.hidden=[8]", "--set", "data.batch_size=32", "--devic
 
 
 def _stub_explain_parts(monkeypatch):
-    """The parts of `explain()` made instant; the matrix still reports its rows as it goes."""
-    def matrix(ns, backend, progress=None):
-        for k, what in enumerate(("sgd, clip off", "sgd, clip on"), 1):
-            progress(k, 2, what)
-        return [{"optimizer": "sgd", "clip": False, "clip_norm": None, "reduction": "mean", "devices": 2,
-                 "max_abs_dparam": 0.0}]
+    """The parts of `explain()` made instant; those with items still report each as it starts."""
+    def items(*whats):
+        def part(*args, progress=None, **kwargs):
+            for k, what in enumerate(whats, 1):
+                progress(k, len(whats), what)
+            return [{"optimizer": "sgd", "clip": False, "clip_norm": None, "reduction": "mean", "devices": 2,
+                     "max_abs_dparam": 0.0}]
+        return part
 
     monkeypatch.setattr(ex, "seed_single_param", lambda backend: {"part": 1})
     monkeypatch.setattr(ex, "seed_two_params", lambda backend: {"part": 2})
-    monkeypatch.setattr(ex, "deviation_matrix", matrix)
-    monkeypatch.setattr(ex, "adam_eps_sweep", lambda n, backend: [])
-    monkeypatch.setattr(ex, "clipping_rates", lambda n, backend: [])
+    monkeypatch.setattr(ex, "deviation_matrix", items("sgd, clip off", "sgd, clip on"))
+    monkeypatch.setattr(ex.explain_precision, "bf16_communication", items("sgd, float32", "bytes"))
+    monkeypatch.setattr(ex, "adam_eps_sweep", items("loss × 1"))
+    monkeypatch.setattr(ex, "clipping_rates", items("mean", "sum raw"))
     monkeypatch.setattr(ex, "fp16_overflow", lambda n: {})
 
 
@@ -44,33 +48,35 @@ def test_explain_json_keeps_stdout_for_the_json_and_reports_progress_on_stderr(m
     out, err = capsys.readouterr()
     results = json.loads(out)  # stdout is the JSON document and nothing else
     assert results["seed_single_param"] == {"part": 1} and results["matrix"][0]["devices"] == 2
-    lines = err.splitlines()
-    assert lines == ["jdp explain: part 1 of 6: seed regression 1", "jdp explain: part 2 of 6: seed regression 2",
-                     "jdp explain: part 3 of 6: deviation matrix",
-                     "jdp explain: part 3 of 6: deviation matrix, 1 of 2 (sgd, clip off)",
-                     "jdp explain: part 3 of 6: deviation matrix, 2 of 2 (sgd, clip on)",
-                     "jdp explain: part 4 of 6: Adam ε sweep", "jdp explain: part 5 of 6: clipping rates",
-                     "jdp explain: part 6 of 6: fp16 overflow"]
+    assert err.splitlines() == [f"jdp explain: part {line}" for line in (
+        "1 of 7: seed regression 1", "2 of 7: seed regression 2",
+        "3 of 7: deviation matrix", "3 of 7: deviation matrix, 1 of 2 (sgd, clip off)",
+        "3 of 7: deviation matrix, 2 of 2 (sgd, clip on)",
+        "4 of 7: bf16 gradient communication", "4 of 7: bf16 gradient communication, 1 of 2 (sgd, float32)",
+        "4 of 7: bf16 gradient communication, 2 of 2 (bytes)",
+        "5 of 7: Adam ε sweep", "5 of 7: Adam ε sweep, 1 of 1 (loss × 1)",
+        "6 of 7: clipping rates", "6 of 7: clipping rates, 1 of 2 (mean)", "6 of 7: clipping rates, 2 of 2 (sum raw)",
+        "7 of 7: fp16 overflow")]
 
 
 def test_explain_reuses_compiled_steps_across_its_parts(monkeypatch):
     """The ε sweep runs every loss scale on one compiled step per reduction, and the clip threshold
     on the step of the matrix's SGD reference; explain() leaves no steps cached."""
     built = []
-    real = ex.make_train_step
-    monkeypatch.setattr(ex, "make_train_step", lambda *a, **k: built.append(k["reduction"]) or real(*a, **k))
-    ex._train_step.cache_clear()
+    real = common.make_train_step
+    monkeypatch.setattr(common, "make_train_step", lambda *a, **k: built.append(k["reduction"]) or real(*a, **k))
+    common.cached_step.cache_clear()
     sweep = ex.adam_eps_sweep(n=2, scales=(1.0, 1e-3, 1e-9))
     assert sorted(built) == ["mean", "sum"]  # 2 compiled steps for 6 runs
     assert sweep[0]["relative_deviation"] < 1e-3 < 0.5 < sweep[2]["relative_deviation"]
     problem = ex.Problem.make(steps=1)
     ex.clip_threshold(problem)
-    ex._train(problem, OptimizerSpec("sgd", lr=0.1), "mean", None, 1)
+    common.train_problem(problem, OptimizerSpec("sgd", lr=0.1), "mean", None, 1)
     assert len(built) == 3
-    assert ex._train_step.cache_info().currsize == 3
+    assert common.cached_step.cache_info().currsize == 3
     _stub_explain_parts(monkeypatch)
     ex.explain((2,))
-    assert ex._train_step.cache_info().currsize == 0
+    assert common.cached_step.cache_info().currsize == 0
 
 
 def test_a_finished_run_says_so_and_repeats_its_held_out_result(tmp_path, capsys):
@@ -143,7 +149,7 @@ def test_a_series_of_one_point_is_drawn_with_a_marker(tmp_path):
     fig = curves_figure([{"step": 3, "loss": 1.5, "train_accuracy": 0.25},
                          {"step": 3, "eval_loss": 1.7, "eval_accuracy": 0.2}])
     try:
-        lines = {line.get_label(): line for ax in fig.axes for line in ax.lines}
+        lines = {line.get_gid(): line for ax in fig.axes for line in ax.lines}  # gid: the metrics key
         assert set(lines) == {"loss", "train_accuracy", "eval_loss", "eval_accuracy"}
         for line in lines.values():
             assert line.get_marker() == "o" and len(line.get_xydata()) == 1
@@ -160,7 +166,7 @@ def test_every_option_of_every_subcommand_has_help():
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
     missing = [f"{name} {action.option_strings or action.dest}" for name, command in commands.items()
                for action in command._actions if not (action.help or "").strip() or action.help == argparse.SUPPRESS]
-    assert not missing and set(commands) == {"train", "plot", "explain"}
+    assert not missing and set(commands) == {"train", "plot", "explain", "config"}
 
 
 def test_explain_progress_on_a_terminal_is_a_rich_bar():
@@ -174,7 +180,7 @@ def test_explain_progress_on_a_terminal_is_a_rich_bar():
     with ex.progress_to(stream) as progress:
         progress(ex.Progress(3, "deviation matrix"))
         progress(ex.Progress(3, "deviation matrix", 2, 8, "sgd, clip on"))
-    assert "jdp explain: part 3/6 deviation matrix" in stream.getvalue()
+    assert "jdp explain: part 3/7 deviation matrix" in stream.getvalue()
 
 
 def test_a_checkpoint_that_counted_steps_with_a_constant_schedule_may_be_extended(tmp_path, monkeypatch):

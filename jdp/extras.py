@@ -1,0 +1,35 @@
+"""jdp's optional dependencies (pyproject's extras): import one, or say in one sentence how to install it here.
+
+`pip install 'jdp[plot]'` works for a package from an index; in a source checkout (the Quick
+start's `pip install -e .`) pip reads `jdp[plot]` as a request for jdp from the index, so the
+command named is `pip install -e '<checkout>[plot]'` there.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+
+
+def checkout() -> str | None:
+    """The source checkout this jdp is imported from (the folder holding pyproject.toml), or None."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return root if os.path.isfile(os.path.join(root, "pyproject.toml")) else None
+
+
+def install_command(extra: str) -> str:
+    """The pip command that installs extra `extra` for the jdp imported here: in a source checkout
+    `pip install -e '<checkout>[extra]'` ('.' when it is the working directory), else `pip install 'jdp[extra]'`."""
+    root = checkout()
+    if root is None:
+        return f"pip install 'jdp[{extra}]'"
+    where = "." if os.path.realpath(os.getcwd()) == os.path.realpath(root) else root
+    return f"pip install -e '{where}[{extra}]'"
+
+
+def require(module: str, extra: str, what: str):
+    """`import module`, or a ValueError naming the command that installs `extra` (what needs it: `what`)."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ValueError(f"{what} needs {module.split('.')[0]}, which is not installed here; install it with "
+                         f"{install_command(extra)}") from None
