@@ -23,6 +23,7 @@ import orbax.checkpoint as ocp
 
 from jdp.state import TrainState
 from jdp.step import TrainStep, get_tree
+from jdp.workfiles import finish_deletions, refuse_symlink, refuse_symlinks_in, remove_checkpoint
 
 # What orbax (and tensorstore beneath it) raise for a checkpoint it cannot read back: missing
 # items or files (KeyError, FileNotFoundError), truncated JSON (ValueError), a metadata tree of
@@ -138,7 +139,10 @@ class Checkpointer:
             raise ValueError(f"checkpoint directory {self.directory!r} cannot be created ({reason}); "
                              f"use a --workdir you can write to.") from None
         self._remove_alias = weakref.finalize(self, remove_alias) if remove_alias else None
-        self._manager = ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(max_to_keep=keep))
+        refuse_symlinks_in(self.directory, "checkpoint directory")
+        # jdp rotates itself (`_rotate`): orbax's max_to_keep would delete any step-named entry.
+        self.keep = keep
+        self._manager = ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(max_to_keep=None))
 
     def latest_step(self) -> int | None:
         """The newest complete checkpoint's optimizer step, or None if there is none."""
@@ -157,12 +161,25 @@ class Checkpointer:
         check_finite(step_number, host, self.latest_step())
         meta = {"data_state": data_state, "run": run}
         meta["checksums"] = {"state": tree_digest(host), "meta": _json_digest(meta)}
+        self.wait()  # orbax would wait for the previous save too; then rotate before starting this one
         self._manager.save(step_number, args=ocp.args.Composite(
             state=ocp.args.StandardSave(canonical), meta=ocp.args.JsonSave(meta)))
 
     def wait(self) -> None:
-        """Block until every started save is complete on disk."""
+        """Block until every started save is complete on disk, then drop the checkpoints past `keep`."""
         self._manager.wait_until_finished()
+        self._rotate()
+
+    def _rotate(self) -> None:
+        """Delete all but the newest `keep` complete checkpoints (process 0), each only if it is
+        provably jdp's (`jdp.workfiles.remove_checkpoint`); anything else in the directory is kept."""
+        if jax.process_index() != 0:
+            return
+        finish_deletions(self.directory)
+        steps = sorted(self._manager.all_steps())
+        removed = [s for s in steps[:-self.keep] if remove_checkpoint(self.directory, str(s))]
+        if removed:
+            self._manager.reload()
 
     def run_info(self, step_number: int) -> dict:
         """The saved metadata ("data_state", "run", "checksums") of a checkpoint, verified."""
@@ -259,11 +276,13 @@ class Checkpointer:
                                      "--workdir.")
 
     def close(self) -> None:
-        """Wait for the last save, close orbax's manager and remove the glob-safe alias, if any."""
-        self._manager.wait_until_finished()
-        self._manager.close()
-        if self._remove_alias is not None:
-            self._remove_alias()
+        """Wait for the last save (and rotate), close orbax's manager and remove the glob-safe alias, if any."""
+        try:
+            self.wait()
+        finally:
+            self._manager.close()
+            if self._remove_alias is not None:
+                self._remove_alias()
 
 
 def set_aside(directory: str, damaged: list[int], log: Callable[[str], Any]) -> None:
@@ -271,6 +290,7 @@ def set_aside(directory: str, damaged: list[int], log: Callable[[str], Any]) -> 
     (process 0; the others wait for it)."""
     aside = directory + ".damaged"
     if jax.process_index() == 0:
+        refuse_symlink(aside, "the directory for damaged checkpoints")
         os.makedirs(aside, exist_ok=True)
         for s in damaged:
             target, n = os.path.join(aside, str(s)), 1

@@ -11,6 +11,8 @@ import tempfile
 
 import numpy as np
 
+from jdp.workfiles import SymlinkRefusedError, open_nofollow, refuse_symlink
+
 # Peak dense (no sparsity) bf16 tensor-core FLOP/s per device, from the vendors' data sheets; the
 # denominator of MFU. Keys are matched in order as substrings of jax's `device.device_kind` (e.g.
 # "NVIDIA H100 80GB HBM3" for the SXM part), so the more specific names come first. Devices not
@@ -53,6 +55,7 @@ class TensorBoard:
             from tensorboardX import SummaryWriter
         except ImportError:
             raise ValueError("--tensorboard needs tensorboardX: pip install 'jdp[tensorboard]'.") from None
+        refuse_symlink(os.path.join(workdir, "tensorboard"), "the TensorBoard directory")
         self._writer = SummaryWriter(os.path.join(workdir, "tensorboard"))
 
     def write(self, record: dict) -> None:
@@ -91,7 +94,11 @@ class MetricsWriter:
             try:
                 if (repaired := repair_metrics(path, start)) is not None:
                     self.log(f"{path}: {repaired}")
-                self._file = open(path, "a")
+                self._file = os.fdopen(open_nofollow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, "the metrics file"),
+                                       "a")
+            except SymlinkRefusedError:
+                self.close()
+                raise
             except OSError as e:
                 self.close()
                 raise ValueError(_unwritable(path, e)) from None
@@ -155,8 +162,9 @@ def repair_metrics(path: str, step: int) -> str | None:
     that are not records are left alone), rewriting the file atomically (a temporary file, then
     os.replace). Returns what was dropped, or None if the file is missing or needed nothing.
     """
-    if not os.path.exists(path):
+    if not os.path.lexists(path):
         return None
+    refuse_symlink(path, "the metrics file")
     with open(path, "rb") as f:
         lines = f.read().split(b"\n")
     torn = lines.pop() != b""  # the text after the last newline: a record cut mid-write
@@ -214,8 +222,10 @@ def load_metrics(workdir: str) -> list[dict]:
 def plot_metrics(workdir: str, path: str | None = None) -> str:
     """Save a PNG of the loss (train, eval) and accuracy curves of a run; returns its path."""
     records = load_metrics(workdir)
+    if path is None:  # the workdir's own file: never written through a link left there
+        path = os.path.join(workdir, "curves.png")
+        refuse_symlink(path, "the plot")
     fig = curves_figure(records)
-    path = path or os.path.join(workdir, "curves.png")
     try:
         fig.savefig(path, dpi=110)
     finally:

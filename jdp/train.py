@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import jax
 
 from jdp.checkpoint import CheckpointMismatchError, Checkpointer, with_data_digest
-from jdp.config import ADDED_DEFAULTS, Config, config_hash, run_identity, schedule_uses_steps, validate
+from jdp.config import ADDED_DEFAULTS, HASH_EXCLUDED, Config, config_hash, run_identity, schedule_uses_steps, validate
 from jdp.data import make_batches
 from jdp.distributed import agree, any_process
 from jdp.evaluate import evaluate, make_eval_step
@@ -18,10 +18,11 @@ from jdp.lock import locked_workdir
 from jdp.metrics import MetricsWriter, load_metrics, peak_flops, plot_metrics, step_flops
 from jdp.step import get_params, make_train_step
 from jdp.tasks import Task, build_task
+from jdp.workfiles import refuse_symlink
 
 # load_metrics, plot_metrics: jdp.metrics's, kept importable from here
 __all__ = ["NonFiniteError", "StopSignals", "TrainResult", "itstime", "load_metrics", "meant_for_accelerators",
-           "plot_metrics", "step_params", "train"]
+           "plot_metrics", "schedule_facts", "step_params", "train"]
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,12 @@ def train(config: Config, workdir: str, *, devices=None, log=print, progress: bo
     intact one; a state holding NaN/Inf is never checkpointed (`jdp.checkpoint.NonFiniteStateError`).
     """
     # Setup: devices, task, step, data. Nothing is written before the workdir is locked.
+    if not workdir:
+        raise ValueError("--workdir '' is empty; name the run's directory (or leave --workdir out for "
+                         "runs/<config name>).")
+    # Every process must take the same collectives at the same steps: agree on what decides them
+    # (and on the run) before anything else touches the devices.
+    agree(schedule_facts(config, devices, stop_after=stop_after, fallback_to_intact=fallback_to_intact))
     devices = _checked_devices(config, devices, workdir, allow_cpu, log)
     p, t = config.parallel, config.train
     task = task or build_task(config)
@@ -111,9 +118,8 @@ def train(config: Config, workdir: str, *, devices=None, log=print, progress: bo
                            has_state=True, accum_steps=p.accum_steps, accum_sync=p.accum_sync,
                            skip_nonfinite=t.max_nonfinite > 0, precision=t.precision, reduce_dtype=p.reduce_dtype,
                            shard_optimizer_state=p.shard_optimizer_state)
-    # Every process must be about to run the same thing (config, data, length) before any step.
-    agree({"config": config_hash(config), "train_examples": len(task.train), "steps": t.steps,
-           "devices": len(devices)})
+    # ... and on the data each builds (a file that differs between hosts).
+    agree({"train_examples": len(task.train)})
     batches = make_batches(task.train, config.data.batch_size, seed=t.seed, drop_last=config.data.drop_last,
                            process_index=jax.process_index(), num_processes=jax.process_count())
     state = step.init(task.params, task.model_state, seed=t.seed)
@@ -125,6 +131,7 @@ def train(config: Config, workdir: str, *, devices=None, log=print, progress: bo
     # released, all while the signals are still handled (a SIGTERM then cannot kill the write).
     with StopSignals() as signals, locked_workdir(workdir, log), contextlib.ExitStack() as cleanup:
         cleanup.callback(batches.close)
+        refuse_symlink(os.path.join(workdir, "checkpoints"), "the checkpoint directory")
         checkpoints = Checkpointer(os.path.join(workdir, "checkpoints"), keep=t.keep_checkpoints)
         cleanup.callback(checkpoints.close)
         # Resume: the newest complete checkpoint, if any (refused, untouched, if from another run).
@@ -275,6 +282,25 @@ def _as_in_older_checkpoint(identity: dict, saved: dict) -> dict:
         if key not in saved.get(section, {}) and identity.get(section, {}).get(key, value) == value:
             identity.get(section, {}).pop(key, None)
     return identity
+
+
+def schedule_facts(config: Config, devices=None, *, stop_after: int | None = None,
+                   fallback_to_intact: bool = False) -> dict:
+    """What every process of a multi-process run must agree on before its first step (`jdp.distributed.agree`).
+
+    The run (`config_hash`), and every field that decides when a process enters a collective:
+    logging and the stop-request check (train.log_every), checkpoints (train.checkpoint_every,
+    keep_checkpoints), evaluations (train.eval_every, data.eval_batch_size), the step count
+    (train.steps, `stop_after`), the non-finite stop (train.max_nonfinite), the layout
+    (parallel.shard_optimizer_state), the fallback's moves (`fallback_to_intact`), and the global and
+    this process's device counts. Keys are the config's dotted names, so a refusal names the field.
+    """
+    devices = list(devices or jax.devices())[:config.parallel.devices or None]
+    d = config.to_dict()
+    facts = {dotted: d[dotted.split(".")[0]][dotted.split(".")[1]] for dotted in HASH_EXCLUDED}
+    mine = sum(getattr(x, "process_index", 0) == jax.process_index() for x in devices)
+    return facts | {"config": config_hash(config), "train.steps": config.train.steps, "stop_after": stop_after,
+                    "fallback_to_intact": fallback_to_intact, "devices": len(devices), "local devices": mine}
 
 
 def meant_for_accelerators(config: Config, devices) -> bool:
