@@ -92,6 +92,26 @@ def _differences(saved: dict, current: dict, prefix: str = "") -> list[str]:
     return out
 
 
+def _structure(tree) -> list[tuple[str, tuple]]:
+    """`tree`'s array leaves as (path, shape), paths written alike for a live state (NamedTuples,
+    tuples) and for orbax's metadata of it (dicts, lists): `0.mu.w` for both."""
+    def name(key):
+        for attribute in ("key", "name", "idx"):
+            if hasattr(key, attribute):
+                return str(getattr(key, attribute))
+        return str(key)
+
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    return sorted((".".join(map(name, path)), tuple(getattr(leaf, "shape", ()))) for path, leaf in leaves)
+
+
+def _shown(structure: list[tuple[str, tuple]], most: int = 6) -> str:
+    if not structure:
+        return "no arrays"
+    text = ", ".join(f"{path or '<root>'} {shape}" for path, shape in structure[:most])
+    return text + (f", … ({len(structure)} arrays)" if len(structure) > most else "")
+
+
 def _glob_safe(directory: str) -> tuple[str, Callable[[], None] | None]:
     """A path to `directory` that glob patterns cannot misread, and how to remove it (None: none made).
 
@@ -222,6 +242,26 @@ class Checkpointer:
         return DamagedCheckpointError(f"checkpoint {step_number} in {self.directory!r} is unreadable "
                                       f"({type(cause).__name__}: {text})", self._advice(step_number))
 
+    def _other_structure(self, step_number: int, canonical: TrainState) -> CheckpointMismatchError | None:
+        """The error for an intact checkpoint whose state has another structure than this step's (another
+        optimizer, model or model state); None when the saved structure cannot be read or is the same."""
+        try:
+            saved = ocp.StandardCheckpointer().metadata(
+                os.path.join(str(self._manager.directory), str(step_number), "state")).item_metadata
+            saved = saved.tree if hasattr(saved, "tree") else saved
+        except _UNREADABLE:
+            return None
+        for part, what in (("opt_state", "an optimizer state"), ("params", "params"), ("model_state", "a model state")):
+            theirs, mine = _structure(saved.get(part) if isinstance(saved, dict) else None), _structure(
+                getattr(canonical, part))
+            if theirs != mine:
+                return CheckpointMismatchError(
+                    f"checkpoint {step_number} in {self.directory!r} is intact but holds {what} of another structure "
+                    f"(checkpoint: {_shown(theirs)}; this step: {_shown(mine)}), so it was written with another "
+                    f"{'optimizer' if part == 'opt_state' else 'model'}; restore it with the one it was trained "
+                    f"with, or use another --workdir for this one.")
+        return None
+
     def _restore_verified(self, step: TrainStep, like: TrainState, run: dict, step_number: int) -> tuple:
         """(state, data_state) of checkpoint `step_number`, after checking its identity and checksums."""
         saved = self.run_info(step_number)
@@ -236,7 +276,7 @@ class Checkpointer:
             restored = self._manager.restore(step_number, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract))).state
         except _UNREADABLE as e:
-            raise self._unreadable(step_number, e) from None
+            raise self._other_structure(step_number, canonical) or self._unreadable(step_number, e) from None
         if tree_digest(jax.device_get(restored)) != saved["checksums"].get("state"):
             raise self._damaged(step_number, "saved arrays")
         return restored, saved["data_state"]
