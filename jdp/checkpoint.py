@@ -9,10 +9,14 @@ holding NaN/Inf is never saved, so rotation can only drop finite checkpoints for
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import glob
 import hashlib
 import json
+import logging
 import os
+import re
 import tempfile
 import weakref
 from typing import Any, Callable
@@ -46,6 +50,46 @@ class DamagedCheckpointError(ValueError):
     def __init__(self, finding: str, advice: str):
         super().__init__(f"{finding}; {advice}")
         self.finding = finding
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written for lack of space (ENOSPC, EDQUOT, EFBIG); `strerror` is the
+    one sentence, naming the directory and the space it needs. The earlier checkpoints are intact."""
+
+
+# errno values meaning "no room for these bytes": a full disk, a quota, the file-size limit (RLIMIT_FSIZE).
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def _out_of_space_code(error: BaseException) -> int | None:
+    """The errno of `error` or its causes when it is a write that ran out of space, else None.
+
+    Tensorstore reports the OS error inside a ValueError's text (`[os_error_code='28']`).
+    """
+    for e in _chain(error):
+        if isinstance(e, OSError) and e.errno in _NO_SPACE:
+            return e.errno
+        found = re.search(r"os_error_code='(\d+)'", str(e))
+        if found and int(found.group(1)) in _NO_SPACE:
+            return int(found.group(1))
+    return None
+
+
+def _megabytes(size: int) -> str:
+    return f"{size / 1e6:.1f} MB" if size >= 1e5 else f"{size / 1e3:.0f} kB"
+
+
+class _QuietOutOfSpace(logging.Filter):
+    """Drops orbax's logged traceback of a save thread that ran out of space: jdp reports it in one sentence."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR:
+            return True
+        error = record.exc_info[1] if record.exc_info else None
+        return _out_of_space_code(error or RuntimeError(record.getMessage())) is None
+
+
+logging.getLogger("absl").addFilter(_QuietOutOfSpace())
 
 
 class NonFiniteStateError(RuntimeError):
@@ -182,13 +226,35 @@ class Checkpointer:
         meta = {"data_state": data_state, "run": run}
         meta["checksums"] = {"state": tree_digest(host), "meta": _json_digest(meta)}
         self.wait()  # orbax would wait for the previous save too; then rotate before starting this one
-        self._manager.save(step_number, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(canonical), meta=ocp.args.JsonSave(meta)))
+        self._writing = (step_number, sum(np.asarray(x).nbytes for x in jax.tree.leaves(host)))
+        with self._out_of_space():
+            self._manager.save(step_number, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(canonical), meta=ocp.args.JsonSave(meta)))
 
     def wait(self) -> None:
-        """Block until every started save is complete on disk, then drop the checkpoints past `keep`."""
-        self._manager.wait_until_finished()
+        """Block until every started save is complete on disk, then drop the checkpoints past `keep`.
+
+        Raises CheckpointWriteError (an OSError) if a save ran out of space (a full disk, a quota,
+        the file-size limit); the checkpoints saved before it are intact.
+        """
+        with self._out_of_space():
+            self._manager.wait_until_finished()
         self._rotate()
+
+    @contextlib.contextmanager
+    def _out_of_space(self):
+        """Turn orbax's (tensorstore's) error for a write that ran out of space into CheckpointWriteError."""
+        try:
+            yield
+        except Exception as e:
+            code = _out_of_space_code(e)
+            if code is None:
+                raise
+            step_number, size = getattr(self, "_writing", (None, 0))
+            raise CheckpointWriteError(code, f"checkpoint {step_number} could not be written to {self.directory!r} "
+                                       f"({os.strerror(code)}: a full disk, a quota or the file-size limit); it "
+                                       f"needs about {_megabytes(size)} of free space (its arrays) in one file "
+                                       f"system, and every checkpoint saved before it is intact") from None
 
     def _rotate(self) -> None:
         """Delete all but the newest `keep` complete checkpoints (process 0), each only if it is

@@ -116,6 +116,19 @@ def _cpu_asked_for(args, config, devices) -> bool:
     return asked
 
 
+def _quiet_closed_loop_callbacks() -> None:
+    """Hide the tracebacks tensorstore's pending writes print when a checkpoint save that already failed
+    (reported in one sentence) calls them back into orbax's closed asyncio loop; anything else prints."""
+    default = sys.unraisablehook
+
+    def hook(info):
+        if info.exc_type is RuntimeError and str(info.exc_value) == "Event loop is closed":
+            return
+        default(info)
+
+    sys.unraisablehook = hook
+
+
 def cmd_train(args) -> int:
     import os
 
@@ -150,10 +163,11 @@ def cmd_train(args) -> int:
     import jax
     import numpy as np
 
-    from jdp.checkpoint import NonFiniteStateError
+    from jdp.checkpoint import CheckpointWriteError, NonFiniteStateError
     from jdp.train import NonFiniteError, train
 
     allow_cpu = _cpu_asked_for(args, config, devices)
+    _quiet_closed_loop_callbacks()
 
     name = os.path.splitext(os.path.basename(args.config))[0] if args.config else "digits_mlp"
     workdir = os.path.join("runs", name) if args.workdir is None else args.workdir
@@ -162,6 +176,10 @@ def cmd_train(args) -> int:
                        tensorboard=args.tensorboard, fallback_to_intact=args.fallback_to_intact, allow_cpu=allow_cpu)
     except (NonFiniteError, NonFiniteStateError) as e:
         print(f"jdp: {e}", file=sys.stderr)
+        return 1
+    except CheckpointWriteError as e:
+        print(f"jdp: error: {e.strerror}: free some space (or raise the file-size limit) and rerun the same command "
+              f"to resume.", file=sys.stderr)
         return 1
     except OSError as e:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
