@@ -164,7 +164,7 @@ def cmd_train(args) -> int:
     import numpy as np
 
     from jdp.checkpoint import CheckpointWriteError, NonFiniteStateError
-    from jdp.train import NonFiniteError, train
+    from jdp.train import EvaluationOutOfMemoryError, NonFiniteError, train
 
     allow_cpu = _cpu_asked_for(args, config, devices)
     _quiet_closed_loop_callbacks()
@@ -176,6 +176,9 @@ def cmd_train(args) -> int:
                        tensorboard=args.tensorboard, fallback_to_intact=args.fallback_to_intact, allow_cpu=allow_cpu)
     except (NonFiniteError, NonFiniteStateError) as e:
         print(f"jdp: {e}", file=sys.stderr)
+        return 1
+    except EvaluationOutOfMemoryError as e:
+        print(f"jdp: error: {e}.", file=sys.stderr)
         return 1
     except CheckpointWriteError as e:
         print(f"jdp: error: {e.strerror}: free some space (or raise the file-size limit) and rerun the same command "

@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass
 
@@ -21,7 +22,7 @@ from jdp.tasks import Task, build_task
 from jdp.workfiles import refuse_symlink
 
 # load_metrics, plot_metrics: jdp.metrics's, kept importable from here
-__all__ = ["NonFiniteError", "StopSignals", "TrainResult", "itstime", "load_metrics", "meant_for_accelerators",
+__all__ = ["EvaluationOutOfMemoryError", "NonFiniteError", "StopSignals", "TrainResult", "itstime", "load_metrics", "meant_for_accelerators",
            "plot_metrics", "schedule_facts", "step_params", "train"]
 
 
@@ -43,6 +44,10 @@ class NonFiniteError(RuntimeError):
     """Training stopped: too many consecutive updates had non-finite gradients."""
 
 
+class EvaluationOutOfMemoryError(RuntimeError):
+    """An evaluation ran out of memory; the step it followed is recorded (and checkpointed, one process)."""
+
+
 class StopSignals:
     """Turns SIGTERM/SIGINT into a request to stop after the current step (restored on exit).
 
@@ -52,6 +57,7 @@ class StopSignals:
 
     def __init__(self):
         self.requested = None
+        self.checkpointed = False  # set once the stop's checkpoint is on disk: later signals then exit 0
 
     def __enter__(self):
         self._old = {}
@@ -64,8 +70,20 @@ class StopSignals:
         self.requested = self.requested or signal.Signals(signum).name  # the first one is the reason
 
     def __exit__(self, *exc):
+        # After a stop whose checkpoint is on disk, the job has succeeded: a signal during the
+        # teardown that follows (a scheduler repeating SIGTERM) ends the process with exit code 0
+        # where it would otherwise have killed it (-15) or raised KeyboardInterrupt.
         for sig, handler in self._old.items():
-            signal.signal(sig, handler)
+            dies = handler in (signal.SIG_DFL, signal.default_int_handler)
+            signal.signal(sig, _exit_zero if self.checkpointed and dies else handler)
+
+
+def _exit_zero(signum, frame):
+    """A signal after a stop's checkpoint was saved: flush what was printed and exit 0 at once."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(0)
 
 
 def itstime(step: int, every: int, total: int) -> bool:
@@ -167,7 +185,7 @@ class _Loop:
         before it starts trains nothing and repeats its held-out result, from the restored state."""
         t, throughput = self.config.train, _Throughput(start)
         if start == end and self.eval_step is not None:
-            self.eval_metrics = self.evaluate(state)
+            self.eval_metrics = self.evaluate(state, start)
         for s in range(start + 1, end + 1):
             for micro in self.step.micro_batches(next(self.batches)):
                 state, metrics = self.step(state, micro)
@@ -189,21 +207,31 @@ class _Loop:
             if itstime(s, t.checkpoint_every, end) or stop:
                 self.save(s, state, wait=stop or s == end)
             with self.saved_on_failure(s, state):
+                self.writer.write(record)  # before evaluating: an evaluation that fails cannot lose it
                 if self.eval_step is not None and not stop and itstime(s, t.eval_every, end):
-                    self.eval_metrics = self.evaluate(state)
-                    record |= {f"eval_{k}": v for k, v in self.eval_metrics.items()}
-                self.writer.write(record)
+                    self.eval_metrics = self.evaluate(state, s)
+                    self.writer.write({"step": s} | {f"eval_{k}": v for k, v in self.eval_metrics.items()})
             if stop:
+                self.signals.checkpointed = True  # save(wait=True) above: it is on disk
                 self.writer.log(f"stopping at step {s} on {self.signals.requested or 'a peer process signal'}; "
                                 f"checkpoint saved, rerun the same command to resume.")
                 self.preempted = True
                 return state, s
         return state, end
 
-    def evaluate(self, state) -> dict:
-        """Metrics of `state` over the whole held-out set."""
-        return evaluate(self.eval_step, *step_params(self.step, state), self.task.test,
-                        self.config.data.eval_batch_size, self.step.mesh)
+    def evaluate(self, state, s: int) -> dict:
+        """Metrics of `state` (after step `s`) over the whole held-out set; EvaluationOutOfMemoryError
+        if the devices (or the host) run out of memory."""
+        size = self.config.data.eval_batch_size
+        try:
+            return evaluate(self.eval_step, *step_params(self.step, state), self.task.test, size, self.step.mesh)
+        except (MemoryError, RuntimeError) as e:  # XLA's out-of-memory is a JaxRuntimeError, a RuntimeError
+            if not isinstance(e, MemoryError) and "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise EvaluationOutOfMemoryError(
+                f"the evaluation after step {s} ran out of memory ({reason}); lower data.eval_batch_size (now "
+                f"{size}) and rerun the same command, which resumes from the newest checkpoint") from e
 
     def save(self, s: int, state, *, wait: bool) -> None:
         """Checkpoint step `s`; with `wait`, return only once it is complete on disk."""
