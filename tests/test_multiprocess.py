@@ -233,3 +233,38 @@ def test_sigint_on_a_single_process_run_checkpoints_and_exits_0(tmp_path):
     assert code == 0 and "stopping at step" in out and "SIGINT" in out, err[-1500:]
     stopped, _ = latest_params(work)
     assert stopped == max(losses(work))
+
+
+def test_sigterms_during_the_teardown_after_a_preemption_checkpoint_exit_0(tmp_path):
+    # A scheduler repeats SIGTERM until the job ends: once "checkpoint saved" is printed the job has
+    # succeeded, so every later signal must end it with exit code 0, not -15.
+    import threading
+
+    work = tmp_path / "teardown"
+    proc = subprocess.Popen(jdp_train("--workdir", str(work), "--steps", "2000", "--devices", "2"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            env={**ENV, "PYTHONUNBUFFERED": "1"})
+    saved = threading.Event()
+    reader = threading.Thread(target=lambda: [saved.set() for line in proc.stdout if "checkpoint saved" in line],
+                              daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not os.path.exists(work / "metrics.jsonl") or len(losses(work)) < 3:
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        assert saved.wait(60), "no 'checkpoint saved' line"
+        while proc.poll() is None:  # again and again, through the whole teardown
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.002)
+        code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        reader.join(timeout=10)
+        err = proc.stderr.read()
+        proc.stdout.close()
+        proc.stderr.close()
+    assert code == 0, err[-1500:]
