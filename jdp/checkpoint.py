@@ -309,7 +309,7 @@ class Checkpointer:
                                       f"({type(cause).__name__}: {text})", self._advice(step_number))
 
     def _other_structure(self, step_number: int, canonical: TrainState) -> CheckpointMismatchError | None:
-        """The error for an intact checkpoint whose state has another structure than this step's (another
+        """The error for a readable checkpoint whose state has another structure than this step's (another
         optimizer, model or model state); None when the saved structure cannot be read or is the same."""
         try:
             saved = ocp.StandardCheckpointer().metadata(
@@ -317,12 +317,14 @@ class Checkpointer:
             saved = saved.tree if hasattr(saved, "tree") else saved
         except _UNREADABLE:
             return None
+        if not (isinstance(saved, dict) and {"params", "opt_state"} <= saved.keys() and _structure(saved["params"])):
+            return None  # a damaged or truncated state: not a question of structure
         for part, what in (("opt_state", "an optimizer state"), ("params", "params"), ("model_state", "a model state")):
             theirs, mine = _structure(saved.get(part) if isinstance(saved, dict) else None), _structure(
                 getattr(canonical, part))
             if theirs != mine:
                 return CheckpointMismatchError(
-                    f"checkpoint {step_number} in {self.directory!r} is intact but holds {what} of another structure "
+                    f"checkpoint {step_number} in {self.directory!r} holds {what} of another structure "
                     f"(checkpoint: {_shown(theirs)}; this step: {_shown(mine)}), so it was written with another "
                     f"{'optimizer' if part == 'opt_state' else 'model'}; restore it with the one it was trained "
                     f"with, or use another --workdir for this one.")
