@@ -127,3 +127,16 @@ def test_a_workdir_that_is_itself_a_symlink_still_works(tmp_path):
 def test_an_empty_workdir_is_refused():
     with pytest.raises(ValueError, match="--workdir '' is empty"):
         quiet_train(seed_config(), "")
+
+
+def test_a_symlinked_tensorboard_directory_is_refused(tmp_path, victim_dir):
+    pytest.importorskip("tensorboardX")
+    from jdp.metrics import MetricsWriter
+
+    work = tmp_path / "work"
+    work.mkdir()
+    before = snapshot(victim_dir)
+    os.symlink(victim_dir, work / "tensorboard")
+    with pytest.raises(SymlinkRefusedError, match="the TensorBoard directory .*tensorboard' is a symlink"):
+        MetricsWriter(str(work), total=2, start=0, log=lambda *_: None, progress=False, tensorboard=True)
+    assert snapshot(victim_dir) == before and not os.path.exists(work / "metrics.jsonl")
