@@ -272,15 +272,15 @@ def unresponsive_peers(stderr_tail: str) -> list[int]:
 
 def abnormal_end(process_id, code: int, stderr_tail: str, heartbeat_s: int) -> str:
     """The one sentence for a training process that ended abnormally (`code`: its return code)."""
-    how = signal_name(code)
+    how, me = signal_name(code), "this process" if process_id is None else f"process {process_id}"
     peers = [p for p in unresponsive_peers(stderr_tail) if p != process_id]
     if peers:
         which = ", ".join(map(str, peers))
-        return (f"process {process_id} stopped ({how}) because process {which} stopped responding (it may be "
+        return (f"{me} stopped ({how}) because process {which} stopped responding (it may be "
                 f"stalled rather than dead): no heartbeat reached the coordinator for --heartbeat-timeout "
                 f"{heartbeat_s} s (raise it for processes that may pause); the checkpoints are intact, so restart "
                 f"every process with the same command to resume.")
-    return (f"process {process_id} stopped abnormally ({how}): a peer process died, lost its connection, or the "
+    return (f"{me} stopped abnormally ({how}): a peer process died, lost its connection, or the "
             f"distributed runtime failed; the checkpoints are intact, so restart every process with the same "
             f"command to resume.")
 
