@@ -136,8 +136,9 @@ def train(config: Config, workdir: str, *, devices=None, log=print, progress: bo
                            has_state=True, accum_steps=p.accum_steps, accum_sync=p.accum_sync,
                            skip_nonfinite=t.max_nonfinite > 0, precision=t.precision, reduce_dtype=p.reduce_dtype,
                            shard_optimizer_state=p.shard_optimizer_state)
-    # ... and on the data each builds (a file that differs between hosts).
-    agree({"train_examples": len(task.train)})
+    # ... and on the data each builds (a file that differs between hosts): the training set decides
+    # the batches, the held-out set how many evaluation batches reduce over the devices.
+    agree({"train_examples": len(task.train), "test_examples": 0 if task.test is None else len(task.test)})
     batches = make_batches(task.train, config.data.batch_size, seed=t.seed, drop_last=config.data.drop_last,
                            process_index=jax.process_index(), num_processes=jax.process_count())
     state = step.init(task.params, task.model_state, seed=t.seed)
