@@ -219,3 +219,9 @@ def test_an_empty_workdir_is_refused(tmp_path, monkeypatch):
     assert err.getvalue() == ("jdp: error: --workdir '' is empty; name the run's directory (or leave --workdir out "
                               "for runs/<config name>).\n")
     assert os.listdir(tmp_path) == []
+
+
+def test_a_test_fraction_that_leaves_no_digits_training_example_is_named_by_its_key():
+    with pytest.raises(ConfigError, match=r"data.test_fraction=0.9999 holds out round\(1797 × 0.9999\) = 1797 of the "
+                                          r"1797 digits examples \(arrays 'x' and 'y'\), leaving no training example"):
+        load_config(None, ["data.test_fraction=0.9999", "data.drop_last=false"])
