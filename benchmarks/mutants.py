@@ -259,6 +259,28 @@ MUTANTS = [
            "{plural(n, 'device')}",
            "{n}",
            ("tests/test_papercuts.py::test_the_first_console_line_names_the_factors_of_the_global_batch",)),
+    # Nothing outside the workdir: each guard against a symlink left in it, and rotation's proof.
+    Mutant("lock_follows_symlink", "workfiles.py",
+           "return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)",
+           "return os.open(path, flags | os.O_CLOEXEC, mode)",  # the lock file is opened through the link
+           ("tests/test_workdir_files.py", "-k", "lock")),
+    Mutant("checkpoints_symlink_followed", "train.py",
+           'refuse_symlink(os.path.join(workdir, "checkpoints"), "the checkpoint directory")',
+           "None",  # orbax writes (and rotates) in the directory the link points to
+           ("tests/test_workdir_files.py", "-k", "symlinked_checkpoint_directory")),
+    Mutant("rotation_deletes_without_proof", "workfiles.py",
+           "    if not is_jdp_checkpoint(path):\n        return False\n",
+           "",  # any step-named directory is deleted, someone else's included
+           ("tests/test_workdir_files.py", "-k", "rotation")),
+    # Multi-process: what decides the collective schedule, and each process's device count, agreed.
+    Mutant("schedule_not_agreed", "train.py",
+           'facts = {dotted: d[dotted.split(".")[0]][dotted.split(".")[1]] for dotted in HASH_EXCLUDED}',
+           "facts = {}",  # a different --checkpoint-every deadlocks at the first checkpoint
+           ("tests/test_multiprocess.py", "-k", "another_schedule")),
+    Mutant("local_devices_not_agreed", "train.py",
+           '"devices": len(devices), "local devices": mine}',
+           '"devices": len(devices)}',  # 2 + 4 devices pass as 6 and fail later in a reshape
+           ("tests/test_multiprocess.py", "-k", "another_schedule")),
 ]
 
 

@@ -9,10 +9,14 @@ holding NaN/Inf is never saved, so rotation can only drop finite checkpoints for
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import glob
 import hashlib
 import json
+import logging
 import os
+import re
 import tempfile
 import weakref
 from typing import Any, Callable
@@ -23,6 +27,7 @@ import orbax.checkpoint as ocp
 
 from jdp.state import TrainState
 from jdp.step import TrainStep, get_tree
+from jdp.workfiles import finish_deletions, refuse_symlink, refuse_symlinks_in, remove_checkpoint
 
 # What orbax (and tensorstore beneath it) raise for a checkpoint it cannot read back: missing
 # items or files (KeyError, FileNotFoundError), truncated JSON (ValueError), a metadata tree of
@@ -45,6 +50,46 @@ class DamagedCheckpointError(ValueError):
     def __init__(self, finding: str, advice: str):
         super().__init__(f"{finding}; {advice}")
         self.finding = finding
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written for lack of space (ENOSPC, EDQUOT, EFBIG); `strerror` is the
+    one sentence, naming the directory and the space it needs. The earlier checkpoints are intact."""
+
+
+# errno values meaning "no room for these bytes": a full disk, a quota, the file-size limit (RLIMIT_FSIZE).
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def _out_of_space_code(error: BaseException) -> int | None:
+    """The errno of `error` or its causes when it is a write that ran out of space, else None.
+
+    Tensorstore reports the OS error inside a ValueError's text (`[os_error_code='28']`).
+    """
+    for e in _chain(error):
+        if isinstance(e, OSError) and e.errno in _NO_SPACE:
+            return e.errno
+        found = re.search(r"os_error_code='(\d+)'", str(e))
+        if found and int(found.group(1)) in _NO_SPACE:
+            return int(found.group(1))
+    return None
+
+
+def _megabytes(size: int) -> str:
+    return f"{size / 1e6:.1f} MB" if size >= 1e5 else f"{size / 1e3:.0f} kB"
+
+
+class _QuietOutOfSpace(logging.Filter):
+    """Drops orbax's logged traceback of a save thread that ran out of space: jdp reports it in one sentence."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR:
+            return True
+        error = record.exc_info[1] if record.exc_info else None
+        return _out_of_space_code(error or RuntimeError(record.getMessage())) is None
+
+
+logging.getLogger("absl").addFilter(_QuietOutOfSpace())
 
 
 class NonFiniteStateError(RuntimeError):
@@ -89,6 +134,26 @@ def _differences(saved: dict, current: dict, prefix: str = "") -> list[str]:
         elif a != b:
             out.append(f"{prefix}{k}: checkpoint {a!r}, now {b!r}")
     return out
+
+
+def _structure(tree) -> list[tuple[str, tuple]]:
+    """`tree`'s array leaves as (path, shape), paths written alike for a live state (NamedTuples,
+    tuples) and for orbax's metadata of it (dicts, lists): `0.mu.w` for both."""
+    def name(key):
+        for attribute in ("key", "name", "idx"):
+            if hasattr(key, attribute):
+                return str(getattr(key, attribute))
+        return str(key)
+
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    return sorted((".".join(map(name, path)), tuple(getattr(leaf, "shape", ()))) for path, leaf in leaves)
+
+
+def _shown(structure: list[tuple[str, tuple]], most: int = 6) -> str:
+    if not structure:
+        return "no arrays"
+    text = ", ".join(f"{path or '<root>'} {shape}" for path, shape in structure[:most])
+    return text + (f", … ({len(structure)} arrays)" if len(structure) > most else "")
 
 
 def _glob_safe(directory: str) -> tuple[str, Callable[[], None] | None]:
@@ -138,7 +203,10 @@ class Checkpointer:
             raise ValueError(f"checkpoint directory {self.directory!r} cannot be created ({reason}); "
                              f"use a --workdir you can write to.") from None
         self._remove_alias = weakref.finalize(self, remove_alias) if remove_alias else None
-        self._manager = ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(max_to_keep=keep))
+        refuse_symlinks_in(self.directory, "checkpoint directory")
+        # jdp rotates itself (`_rotate`): orbax's max_to_keep would delete any step-named entry.
+        self.keep = keep
+        self._manager = ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(max_to_keep=None))
 
     def latest_step(self) -> int | None:
         """The newest complete checkpoint's optimizer step, or None if there is none."""
@@ -157,12 +225,47 @@ class Checkpointer:
         check_finite(step_number, host, self.latest_step())
         meta = {"data_state": data_state, "run": run}
         meta["checksums"] = {"state": tree_digest(host), "meta": _json_digest(meta)}
-        self._manager.save(step_number, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(canonical), meta=ocp.args.JsonSave(meta)))
+        self.wait()  # orbax would wait for the previous save too; then rotate before starting this one
+        self._writing = (step_number, sum(np.asarray(x).nbytes for x in jax.tree.leaves(host)))
+        with self._out_of_space():
+            self._manager.save(step_number, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(canonical), meta=ocp.args.JsonSave(meta)))
 
     def wait(self) -> None:
-        """Block until every started save is complete on disk."""
-        self._manager.wait_until_finished()
+        """Block until every started save is complete on disk, then drop the checkpoints past `keep`.
+
+        Raises CheckpointWriteError (an OSError) if a save ran out of space (a full disk, a quota,
+        the file-size limit); the checkpoints saved before it are intact.
+        """
+        with self._out_of_space():
+            self._manager.wait_until_finished()
+        self._rotate()
+
+    @contextlib.contextmanager
+    def _out_of_space(self):
+        """Turn orbax's (tensorstore's) error for a write that ran out of space into CheckpointWriteError."""
+        try:
+            yield
+        except Exception as e:
+            code = _out_of_space_code(e)
+            if code is None:
+                raise
+            step_number, size = getattr(self, "_writing", (None, 0))
+            raise CheckpointWriteError(code, f"checkpoint {step_number} could not be written to {self.directory!r} "
+                                       f"({os.strerror(code)}: a full disk, a quota or the file-size limit); it "
+                                       f"needs about {_megabytes(size)} of free space (its arrays) in one file "
+                                       f"system, and every checkpoint saved before it is intact") from None
+
+    def _rotate(self) -> None:
+        """Delete all but the newest `keep` complete checkpoints (process 0), each only if it is
+        provably jdp's (`jdp.workfiles.remove_checkpoint`); anything else in the directory is kept."""
+        if jax.process_index() != 0:
+            return
+        finish_deletions(self.directory)
+        steps = sorted(self._manager.all_steps())
+        removed = [s for s in steps[:-self.keep] if remove_checkpoint(self.directory, str(s))]
+        if removed:
+            self._manager.reload()
 
     def run_info(self, step_number: int) -> dict:
         """The saved metadata ("data_state", "run", "checksums") of a checkpoint, verified."""
@@ -205,6 +308,28 @@ class Checkpointer:
         return DamagedCheckpointError(f"checkpoint {step_number} in {self.directory!r} is unreadable "
                                       f"({type(cause).__name__}: {text})", self._advice(step_number))
 
+    def _other_structure(self, step_number: int, canonical: TrainState) -> CheckpointMismatchError | None:
+        """The error for a readable checkpoint whose state has another structure than this step's (another
+        optimizer, model or model state); None when the saved structure cannot be read or is the same."""
+        try:
+            saved = ocp.StandardCheckpointer().metadata(
+                os.path.join(str(self._manager.directory), str(step_number), "state")).item_metadata
+            saved = saved.tree if hasattr(saved, "tree") else saved
+        except _UNREADABLE:
+            return None
+        if not (isinstance(saved, dict) and {"params", "opt_state"} <= saved.keys() and _structure(saved["params"])):
+            return None  # a damaged or truncated state: not a question of structure
+        for part, what in (("opt_state", "an optimizer state"), ("params", "params"), ("model_state", "a model state")):
+            theirs, mine = _structure(saved.get(part) if isinstance(saved, dict) else None), _structure(
+                getattr(canonical, part))
+            if theirs != mine:
+                return CheckpointMismatchError(
+                    f"checkpoint {step_number} in {self.directory!r} holds {what} of another structure "
+                    f"(checkpoint: {_shown(theirs)}; this step: {_shown(mine)}), so it was written with another "
+                    f"{'optimizer' if part == 'opt_state' else 'model'}; restore it with the one it was trained "
+                    f"with, or use another --workdir for this one.")
+        return None
+
     def _restore_verified(self, step: TrainStep, like: TrainState, run: dict, step_number: int) -> tuple:
         """(state, data_state) of checkpoint `step_number`, after checking its identity and checksums."""
         saved = self.run_info(step_number)
@@ -219,7 +344,7 @@ class Checkpointer:
             restored = self._manager.restore(step_number, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract))).state
         except _UNREADABLE as e:
-            raise self._unreadable(step_number, e) from None
+            raise self._other_structure(step_number, canonical) or self._unreadable(step_number, e) from None
         if tree_digest(jax.device_get(restored)) != saved["checksums"].get("state"):
             raise self._damaged(step_number, "saved arrays")
         return restored, saved["data_state"]
@@ -259,11 +384,13 @@ class Checkpointer:
                                      "--workdir.")
 
     def close(self) -> None:
-        """Wait for the last save, close orbax's manager and remove the glob-safe alias, if any."""
-        self._manager.wait_until_finished()
-        self._manager.close()
-        if self._remove_alias is not None:
-            self._remove_alias()
+        """Wait for the last save (and rotate), close orbax's manager and remove the glob-safe alias, if any."""
+        try:
+            self.wait()
+        finally:
+            self._manager.close()
+            if self._remove_alias is not None:
+                self._remove_alias()
 
 
 def set_aside(directory: str, damaged: list[int], log: Callable[[str], Any]) -> None:
@@ -271,6 +398,7 @@ def set_aside(directory: str, damaged: list[int], log: Callable[[str], Any]) -> 
     (process 0; the others wait for it)."""
     aside = directory + ".damaged"
     if jax.process_index() == 0:
+        refuse_symlink(aside, "the directory for damaged checkpoints")
         os.makedirs(aside, exist_ok=True)
         for s in damaged:
             target, n = os.path.join(aside, str(s)), 1

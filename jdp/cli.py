@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="detect the cluster (SLURM, Open MPI, ...) with jax.distributed.initialize()")
     multi.add_argument("--init-timeout", type=_positive_int, default=60, metavar="S",
                        help="seconds to wait for all processes to join (default 60)")
+    multi.add_argument("--heartbeat-timeout", type=_positive_int, default=10, metavar="S",
+                       help="seconds without a heartbeat after which a process counts as gone and the others stop "
+                       "(default 10); raise it for processes that may pause (a debugger, a swapping host)")
 
     plot = sub.add_parser("plot", help="save a PNG of a run's loss and accuracy curves",
                           description="Read DIR/metrics.jsonl and write DIR/curves.png (or --out).")
@@ -131,11 +134,27 @@ def _cpu_asked_for(args, config, devices) -> bool:
     return asked
 
 
+def _quiet_closed_loop_callbacks() -> None:
+    """Hide the tracebacks tensorstore's pending writes print when a checkpoint save that already failed
+    (reported in one sentence) calls them back into orbax's closed asyncio loop; anything else prints."""
+    default = sys.unraisablehook
+
+    def hook(info):
+        if info.exc_type is RuntimeError and str(info.exc_value) == "Event loop is closed":
+            return
+        default(info)
+
+    sys.unraisablehook = hook
+
+
 def cmd_train(args) -> int:
     import os
 
     from jdp.config import load_config
 
+    if args.workdir == "":
+        raise ValueError("--workdir '' is empty; name the run's directory (or leave --workdir out for "
+                         "runs/<config name>).")
     distributed = args.coordinator is not None or args.auto_distributed
     flags = {"parallel.devices": None if distributed else args.devices, "train.steps": args.steps,
              "train.log_every": args.log_every, "train.checkpoint_every": args.checkpoint_every}
@@ -149,7 +168,8 @@ def cmd_train(args) -> int:
             raise ValueError("parallel.devices cannot be set in a multi-process run: every process's devices "
                              "join; --devices sets each process's (fake CPU) device count.")
         use_cpu_devices(args.devices or 1)  # CPU-only machines: fake devices per process
-        initialize(args.coordinator, args.num_processes, args.process_id, timeout_s=args.init_timeout)
+        initialize(args.coordinator, args.num_processes, args.process_id, timeout_s=args.init_timeout,
+                   heartbeat_s=args.heartbeat_timeout)
         import jax
 
         devices = jax.devices()
@@ -161,18 +181,26 @@ def cmd_train(args) -> int:
     import jax
     import numpy as np
 
-    from jdp.checkpoint import NonFiniteStateError
-    from jdp.train import NonFiniteError, train
+    from jdp.checkpoint import CheckpointWriteError, NonFiniteStateError
+    from jdp.train import EvaluationOutOfMemoryError, NonFiniteError, train
 
     allow_cpu = _cpu_asked_for(args, config, devices)
+    _quiet_closed_loop_callbacks()
 
     name = os.path.splitext(os.path.basename(args.config))[0] if args.config else "digits_mlp"
-    workdir = args.workdir or os.path.join("runs", name)
+    workdir = os.path.join("runs", name) if args.workdir is None else args.workdir
     try:
         result = train(config, workdir, devices=devices, progress=not args.no_progress, stop_after=args.stop_after,
                        tensorboard=args.tensorboard, fallback_to_intact=args.fallback_to_intact, allow_cpu=allow_cpu)
     except (NonFiniteError, NonFiniteStateError) as e:
         print(f"jdp: {e}", file=sys.stderr)
+        return 1
+    except EvaluationOutOfMemoryError as e:
+        print(f"jdp: error: {e}.", file=sys.stderr)
+        return 1
+    except CheckpointWriteError as e:
+        print(f"jdp: error: {e.strerror}: free some space (or raise the file-size limit) and rerun the same command "
+              f"to resume.", file=sys.stderr)
         return 1
     except OSError as e:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
@@ -246,17 +274,61 @@ def cmd_config(args) -> int:
 
 
 _SUPERVISED = "JDP_SUPERVISED"
+# jax's coordination service, when a peer's heartbeats stop (killed, stalled or cut off), lists
+# the task ids it gave up on on the line after this text.
+_NO_HEARTBEAT = "stopped sending heartbeats):"
 
 
-def supervise(argv: list[str], process_id) -> int:
+def _relay(stream, tail: list[str]) -> None:
+    """Copy the child's stderr to ours line by line, keeping the last lines in `tail`."""
+    for line in iter(stream.readline, ""):
+        sys.stderr.write(line)
+        sys.stderr.flush()
+        tail.append(line)
+        del tail[:-200]
+
+
+def unresponsive_peers(stderr_tail: str) -> list[int]:
+    """The process ids jax's coordination service reported as no longer sending heartbeats."""
+    at = stderr_tail.find(_NO_HEARTBEAT)
+    if at < 0:
+        return []
+    following = stderr_tail[at + len(_NO_HEARTBEAT):].strip().splitlines()
+    return sorted({int(p) for p in following[0].replace(",", " ").split() if p.isdigit()}) if following else []
+
+
+def abnormal_end(process_id, code: int, stderr_tail: str, heartbeat_s: int) -> str:
+    """The one sentence for a training process that ended abnormally (`code`: its return code)."""
+    how, me = signal_name(code), "this process" if process_id is None else f"process {process_id}"
+    peers = [p for p in unresponsive_peers(stderr_tail) if p != process_id]
+    if peers:
+        which = ", ".join(map(str, peers))
+        return (f"{me} stopped ({how}) because process {which} stopped responding (it may be "
+                f"stalled rather than dead): no heartbeat reached the coordinator for --heartbeat-timeout "
+                f"{heartbeat_s} s (raise it for processes that may pause); the checkpoints are intact, so restart "
+                f"every process with the same command to resume.")
+    return (f"{me} stopped abnormally ({how}): a peer process died, lost its connection, or the "
+            f"distributed runtime failed; the checkpoints are intact, so restart every process with the same "
+            f"command to resume.")
+
+
+def signal_name(code: int) -> str:
+    import signal
+
+    return signal.Signals(-code).name if code < 0 else f"exit code {code}"
+
+
+def supervise(argv: list[str], process_id, heartbeat_s: int = 10) -> int:
     """Run this multi-process invocation in a child and explain an abnormal end in one sentence.
 
-    When a peer dies, jax's distributed runtime (or gloo) aborts the survivors from C++, where no
-    Python handler runs; the parent turns that into a message and exit code 1. SIGTERM/SIGINT are
+    When a peer dies or stalls, jax's distributed runtime (or gloo) aborts the survivors from C++,
+    where no Python handler runs; the parent turns that into a message (naming the process that
+    stopped sending heartbeats, when jax's log says which) and exit code 1. SIGTERM/SIGINT are
     forwarded, so preemption still reaches the training process.
     """
     import signal
     import subprocess
+    import threading
 
     def die_with_parent():  # Linux: a killed supervisor must not leave its training process behind
         import ctypes
@@ -264,16 +336,18 @@ def supervise(argv: list[str], process_id) -> int:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
     child = subprocess.Popen([sys.executable, "-m", "jdp.cli", *argv], env={**os.environ, _SUPERVISED: "1"},
+                             stderr=subprocess.PIPE, text=True, errors="replace",
                              preexec_fn=die_with_parent if sys.platform == "linux" else None)
+    tail: list[str] = []
+    relay = threading.Thread(target=_relay, args=(child.stderr, tail), daemon=True)
+    relay.start()
     forward = lambda signum, frame: child.send_signal(signum)  # noqa: E731
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, forward)
     code = child.wait()
+    relay.join(timeout=5)
     if code < 0 or code > 2:
-        how = signal.Signals(-code).name if code < 0 else f"exit code {code}"
-        print(f"jdp: error: process {process_id} stopped abnormally ({how}): a peer process died, lost its "
-              f"connection, or the distributed runtime failed; the checkpoints are intact, so restart every "
-              f"process with the same command to resume.", file=sys.stderr)
+        print(f"jdp: error: {abnormal_end(process_id, code, ''.join(tail), heartbeat_s)}", file=sys.stderr)
         return 1
     return code
 
@@ -283,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     distributed = args.command == "train" and (args.coordinator is not None or args.auto_distributed)
     if distributed and not os.environ.get(_SUPERVISED):
-        return supervise(argv, args.process_id)
+        return supervise(argv, args.process_id, args.heartbeat_timeout)
     try:
         return {"train": cmd_train, "explain": cmd_explain, "plot": cmd_plot, "config": cmd_config}[args.command](args)
     except ValueError as e:  # bad input: one sentence, exit code 2, no traceback

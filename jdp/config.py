@@ -196,6 +196,10 @@ def validate(config: Config, num_devices: int | None) -> Config:
         raise ConfigError(f"data.path is read only with data.name='arrays', got data.name={d.name!r}.")
     if d.name == "arrays" and not os.path.isfile(d.path):
         raise ConfigError(f"data.path={quoted(d.path)} is not a file (relative paths start at {os.getcwd()}).")
+    if d.name == "digits" and held_out_count(DIGITS_EXAMPLES, d.test_fraction) >= DIGITS_EXAMPLES:
+        raise ConfigError(f"data.test_fraction={d.test_fraction} holds out round({DIGITS_EXAMPLES} × {d.test_fraction}) "
+                          f"= {held_out_count(DIGITS_EXAMPLES, d.test_fraction)} of the {DIGITS_EXAMPLES} digits "
+                          f"examples (arrays 'x' and 'y'), leaving no training example; lower data.test_fraction.")
     if d.drop_last and d.name in ("digits", "seed_linear"):
         if d.name == "digits":
             n, what = DIGITS_EXAMPLES - held_out_count(DIGITS_EXAMPLES, d.test_fraction), "digits training examples"

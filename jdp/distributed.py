@@ -79,10 +79,20 @@ def initialize(coordinator: str | None, num_processes: int | None, process_id: i
 
 
 def _gather(values: np.ndarray) -> np.ndarray:
-    """(P, ...) : every process's `values`, on every process."""
-    from jax.experimental import multihost_utils
+    """(P, ...) : every process's `values`, on every process.
 
-    return np.asarray(multihost_utils.process_allgather(values))
+    Over one device per process (each one's first), so it works before the processes are known to
+    have the same number of devices (`multihost_utils.process_allgather` reshapes by that number).
+    """
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    firsts = [min((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
+              for p in range(jax.process_count())]
+    mesh = Mesh(np.array(firsts), ("processes",))
+    rows = jax.make_array_from_process_local_data(NamedSharding(mesh, PartitionSpec("processes")),
+                                                  np.asarray(values)[None])
+    everyone = jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, PartitionSpec()))(rows)
+    return np.asarray(everyone.addressable_data(0))
 
 
 def agree(facts: dict) -> None:

@@ -17,6 +17,8 @@ import os
 import socket
 import time
 
+from jdp.workfiles import open_nofollow
+
 LOCK_NAME = ".jdp-lock"
 _READ_TRIES = 20  # a holder writes its name right after locking: give it up to ~1 s to appear
 
@@ -59,8 +61,8 @@ class WorkdirLock:
         """
         self._make_workdir()
         for _ in range(100):  # only a release racing this acquire makes it go round again
-            try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:  # a symlink left at the lock's path is refused, never followed into another file
+                fd = open_nofollow(self.path, os.O_RDWR | os.O_CREAT, "the lock file")
             except OSError as e:
                 raise self._unwritable(e) from None
             try:
@@ -98,7 +100,7 @@ class WorkdirLock:
 
     def _same_file(self, fd: int) -> bool:
         try:
-            st = os.stat(self.path)
+            st = os.lstat(self.path)
         except FileNotFoundError:
             return False
         mine = os.fstat(fd)

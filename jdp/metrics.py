@@ -11,6 +11,8 @@ import tempfile
 
 import numpy as np
 
+from jdp.workfiles import SymlinkRefusedError, open_nofollow, refuse_symlink
+
 # Peak dense (no sparsity) bf16 tensor-core FLOP/s per device, from the vendors' data sheets; the
 # denominator of MFU. Keys are matched in order as substrings of jax's `device.device_kind` (e.g.
 # "NVIDIA H100 80GB HBM3" for the SXM part), so the more specific names come first. Devices not
@@ -52,6 +54,7 @@ class TensorBoard:
         from jdp.extras import require
 
         writer = require("tensorboardX", "tensorboard", "--tensorboard").SummaryWriter
+        refuse_symlink(os.path.join(workdir, "tensorboard"), "the TensorBoard directory")
         self._writer = writer(os.path.join(workdir, "tensorboard"))
 
     def write(self, record: dict) -> None:
@@ -90,7 +93,11 @@ class MetricsWriter:
             try:
                 if (repaired := repair_metrics(path, start)) is not None:
                     self.log(f"{path}: {repaired}")
-                self._file = open(path, "a")
+                self._file = os.fdopen(open_nofollow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, "the metrics file"),
+                                       "a")
+            except SymlinkRefusedError:
+                self.close()
+                raise
             except OSError as e:
                 self.close()
                 raise ValueError(_unwritable(path, e)) from None
@@ -154,8 +161,9 @@ def repair_metrics(path: str, step: int) -> str | None:
     that are not records are left alone), rewriting the file atomically (a temporary file, then
     os.replace). Returns what was dropped, or None if the file is missing or needed nothing.
     """
-    if not os.path.exists(path):
+    if not os.path.lexists(path):
         return None
+    refuse_symlink(path, "the metrics file")
     with open(path, "rb") as f:
         lines = f.read().split(b"\n")
     torn = lines.pop() != b""  # the text after the last newline: a record cut mid-write
@@ -215,8 +223,10 @@ def plot_metrics(workdir: str, path: str | None = None, name: str | None = None)
 
     `name` titles the figure (default: the run directory's name)."""
     records = load_metrics(workdir)
+    if path is None:  # the default lies inside the workdir: never written through a symlink
+        path = os.path.join(workdir, "curves.png")
+        refuse_symlink(path, "the plot")
     fig = curves_figure(records, name or os.path.basename(os.path.abspath(workdir)))
-    path = path or os.path.join(workdir, "curves.png")
     try:
         fig.savefig(path, dpi=110)
     finally:

@@ -143,6 +143,40 @@ def exact_sum_spec(spec: OptimizerSpec, num_devices: int) -> OptimizerSpec:
     return spec.replace(**changes)
 
 
+def check_optimizer(optimizer, params, accum_steps: int) -> None:
+    """Refuse, in one sentence, an optax optimizer the step cannot drive as given (`params`: the
+    params it will update; only shapes are used).
+
+    An optimizer already inside `optax.MultiSteps` accumulates on its own, so with accum_steps > 1
+    each update would cover accum_steps × its k micro-batches while the step reports updates at
+    every accum_steps-th call. An optimizer whose update needs extra arguments
+    (`optax.contrib.reduce_on_plateau` needs `value=loss`) would fail inside optax: the step calls
+    `update(updates, state, params)` only.
+    """
+    if isinstance(optimizer, OptimizerSpec):
+        return
+    import jax
+
+    state = jax.eval_shape(optimizer.init, params)
+    wrapped = [x for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, optax.MultiStepsState))
+               if isinstance(x, optax.MultiStepsState)]
+    if wrapped and accum_steps > 1:
+        raise ValueError(f"the optimizer is an optax.MultiSteps, which accumulates micro-batches itself, and "
+                         f"accum_steps={accum_steps} accumulates too, so each update would cover accum_steps × "
+                         f"MultiSteps' k micro-batches while the step reports one every {accum_steps} calls; "
+                         f"accumulate once: pass the optimizer MultiSteps wraps with accum_steps=k, or keep "
+                         f"MultiSteps with accum_steps=1.")
+    try:
+        jax.eval_shape(optimizer.update, params, state, params)
+    except TypeError as e:
+        if "required" not in str(e) or "argument" not in str(e):
+            raise
+        raise ValueError(f"the optimizer's update needs arguments besides (updates, state, params) ({e}), such as "
+                         f"optax.contrib.reduce_on_plateau's value=loss, which the step does not pass; use a "
+                         f"learning-rate schedule (OptimizerSpec.schedule, or an optax schedule as the learning "
+                         f"rate) instead.") from None
+
+
 def for_reduction(optimizer: optax.GradientTransformation | OptimizerSpec, lr_correction: str,
                   num_devices: int, sharded: bool = False, axis: str = "data") -> optax.GradientTransformation:
     """The transformation that consumes a gradient reduced over `num_devices`, with the psum correction applied.

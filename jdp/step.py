@@ -20,7 +20,7 @@ from jdp.cpu import RunAhead
 from jdp.layouts import LAYOUTS, UNSIZED, aux_shapes
 from jdp.mesh import DATA_AXIS, batch_sharded, make_mesh
 from jdp.model_state import check_agreement, check_structure, spread_over_devices
-from jdp.optim import OptimizerSpec, for_reduction
+from jdp.optim import OptimizerSpec, check_optimizer, for_reduction
 from jdp.options import StepOptions
 from jdp.precision import check_master_params, in_precision
 from jdp.state import TrainState
@@ -30,6 +30,8 @@ class TrainStep:
     """A compiled data-parallel training step. Build it with `make_train_step`."""
 
     def __init__(self, loss_fn: Callable, optimizer, options: StepOptions, devices=None):
+        if isinstance(optimizer, optax.MultiSteps):  # optax's accumulating wrapper: checked in init with the rest
+            optimizer = optimizer.gradient_transformation()
         if not isinstance(optimizer, (optax.GradientTransformation, OptimizerSpec)):
             raise ValueError(f"optimizer must be an optax.GradientTransformation or a jdp.OptimizerSpec, "
                              f"got {type(optimizer).__name__}.")
@@ -44,6 +46,7 @@ class TrainStep:
         if self.multi_process and o.backend == "pmap":
             raise ValueError("multi-process runs need backend='shard_map'; pmap feeds process-local devices only.")
         self.optimizer = step_optimizer(optimizer, o, self.num_devices)
+        self._given_optimizer = optimizer
         # accum_sync="last" sums per device; "every" (M > 1) sums reduced, replicated metrics.
         accum = "per_device" if o.local_accum else "replicated" if o.multi_steps else None
         self.layout = (ShardedStateLayout(self.mesh, accum, self.optimizer) if o.shard_optimizer_state
@@ -82,7 +85,9 @@ class TrainStep:
         """
         if not jax.tree.leaves(params):
             raise ValueError("params has no array leaves; pass a pytree of arrays.")
+        check_trainable(params)
         check_master_params(params, self.options.precision)
+        check_optimizer(self._given_optimizer, params, self.options.accum_steps)
         if jax.tree.leaves(model_state) and not self.options.has_state:
             raise ValueError("model_state was given but the step was made without has_state=True, so loss_fn "
                              "would never see or update it.")
@@ -211,6 +216,17 @@ def step_optimizer(optimizer, o: StepOptions, n: int) -> optax.GradientTransform
     if o.shard_optimizer_state:
         check_elementwise(tx, o.axis_name)
     return optax.MultiSteps(tx, every_k_schedule=o.accum_steps).gradient_transformation() if o.multi_steps else tx
+
+
+def check_trainable(params) -> None:
+    """Refuse, naming the leaf, params that `jax.grad` cannot differentiate (integer or bool leaves)."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        dtype = jnp.result_type(leaf)
+        if not jnp.issubdtype(dtype, jnp.inexact):
+            raise ValueError(f"params{jax.tree_util.keystr(path)} is {dtype}, and the step differentiates every "
+                             f"leaf of params, which needs floating-point leaves; keep non-trainable values (counters, "
+                             f"masks, statistics) in the model state (has_state=True, `step.init(params, "
+                             f"model_state)`), which loss_fn receives and may update.")
 
 
 def check_state(state, stacked: bool, backend: str) -> None:

@@ -110,6 +110,9 @@ def _checked_arrays(path, model: str, x: np.ndarray, y: np.ndarray) -> tuple[np.
     elif x.ndim < 2:
         raise ValueError(f"{where} array 'x' has shape {x.shape}; the {model} takes one row of features per "
                          f"example, shape (n, features...); use x[:, None] for a single feature.")
+    if x.ndim > 1 and 0 in x.shape[1:]:
+        raise ValueError(f"{where} array 'x' has shape {x.shape}: zero features per example, so there is nothing "
+                         f"to train on; save the inputs as 'x' with at least one feature.")
     if y.ndim != 1:
         raise ValueError(f"{where} array 'y' has shape {y.shape}; it must hold one "
                          f"{'target' if model == 'linear' else 'class label'} per example, shape (n,).")
@@ -182,6 +185,10 @@ def build_task(config) -> Task:
                              f"{shorten(str(sorted(arrays)))}.")
         x, y = _checked_arrays(d.path, m.name, arrays["x"], arrays["y"])
         n_test = D.held_out_count(len(x), d.test_fraction)
+        if n_test >= len(x):
+            raise ValueError(f"data.test_fraction={d.test_fraction} holds out round({len(x)} × {d.test_fraction}) = "
+                             f"{n_test} of the {len(x)} examples of data.path {quoted(d.path)} (arrays 'x' and 'y'), "
+                             f"leaving no training example; lower data.test_fraction or add examples.")
         order = np.random.default_rng(config.train.seed).permutation(len(x))
         train = ArrayDataset({"x": x[order[n_test:]], "y": y[order[n_test:]]})
         test = ArrayDataset({"x": x[order[:n_test]], "y": y[order[:n_test]]}) if n_test else None

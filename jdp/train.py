@@ -4,13 +4,14 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass
 
 import jax
 
 from jdp.checkpoint import CheckpointMismatchError, Checkpointer, with_data_digest
-from jdp.config import ADDED_DEFAULTS, Config, config_hash, run_identity, schedule_uses_steps, validate
+from jdp.config import ADDED_DEFAULTS, HASH_EXCLUDED, Config, config_hash, run_identity, schedule_uses_steps, validate
 from jdp.data import make_batches
 from jdp.distributed import agree, any_process
 from jdp.evaluate import evaluate, make_eval_step
@@ -18,10 +19,11 @@ from jdp.lock import locked_workdir
 from jdp.metrics import MetricsWriter, load_metrics, peak_flops, plot_metrics, step_flops
 from jdp.step import get_params, make_train_step
 from jdp.tasks import Task, build_task
+from jdp.workfiles import refuse_symlink
 
 # load_metrics, plot_metrics: jdp.metrics's, kept importable from here
-__all__ = ["NonFiniteError", "StopSignals", "TrainResult", "itstime", "load_metrics", "meant_for_accelerators",
-           "plot_metrics", "step_params", "train"]
+__all__ = ["EvaluationOutOfMemoryError", "NonFiniteError", "StopSignals", "TrainResult", "itstime", "load_metrics", "meant_for_accelerators",
+           "plot_metrics", "schedule_facts", "step_params", "train"]
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,10 @@ class NonFiniteError(RuntimeError):
     """Training stopped: too many consecutive updates had non-finite gradients."""
 
 
+class EvaluationOutOfMemoryError(RuntimeError):
+    """An evaluation ran out of memory; the step it followed is recorded (and checkpointed, one process)."""
+
+
 class StopSignals:
     """Turns SIGTERM/SIGINT into a request to stop after the current step (restored on exit).
 
@@ -51,6 +57,7 @@ class StopSignals:
 
     def __init__(self):
         self.requested = None
+        self.checkpointed = False  # set once the stop's checkpoint is on disk: later signals then exit 0
 
     def __enter__(self):
         self._old = {}
@@ -63,8 +70,20 @@ class StopSignals:
         self.requested = self.requested or signal.Signals(signum).name  # the first one is the reason
 
     def __exit__(self, *exc):
+        # After a stop whose checkpoint is on disk, the job has succeeded: a signal during the
+        # teardown that follows (a scheduler repeating SIGTERM) ends the process with exit code 0
+        # where it would otherwise have killed it (-15) or raised KeyboardInterrupt.
         for sig, handler in self._old.items():
-            signal.signal(sig, handler)
+            dies = handler in (signal.SIG_DFL, signal.default_int_handler)
+            signal.signal(sig, _exit_zero if self.checkpointed and dies else handler)
+
+
+def _exit_zero(signum, frame):
+    """A signal after a stop's checkpoint was saved: flush what was printed and exit 0 at once."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(0)
 
 
 def itstime(step: int, every: int, total: int) -> bool:
@@ -102,6 +121,12 @@ def train(config: Config, workdir: str, *, devices=None, log=print, progress: bo
     intact one; a state holding NaN/Inf is never checkpointed (`jdp.checkpoint.NonFiniteStateError`).
     """
     # Setup: devices, task, step, data. Nothing is written before the workdir is locked.
+    if not workdir:
+        raise ValueError("--workdir '' is empty; name the run's directory (or leave --workdir out for "
+                         "runs/<config name>).")
+    # Every process must take the same collectives at the same steps: agree on what decides them
+    # (and on the run) before anything else touches the devices.
+    agree(schedule_facts(config, devices, stop_after=stop_after, fallback_to_intact=fallback_to_intact))
     devices = _checked_devices(config, devices, workdir, allow_cpu, log)
     p, t = config.parallel, config.train
     task = task or build_task(config)
@@ -111,9 +136,9 @@ def train(config: Config, workdir: str, *, devices=None, log=print, progress: bo
                            has_state=True, accum_steps=p.accum_steps, accum_sync=p.accum_sync,
                            skip_nonfinite=t.max_nonfinite > 0, precision=t.precision, reduce_dtype=p.reduce_dtype,
                            shard_optimizer_state=p.shard_optimizer_state, sync_batchnorm=task.sync_batchnorm)
-    # Every process must be about to run the same thing (config, data, length) before any step.
-    agree({"config": config_hash(config), "train_examples": len(task.train), "steps": t.steps,
-           "devices": len(devices)})
+    # ... and on the data each builds (a file that differs between hosts): the training set decides
+    # the batches, the held-out set how many evaluation batches reduce over the devices.
+    agree({"train_examples": len(task.train), "test_examples": 0 if task.test is None else len(task.test)})
     batches = make_batches(task.train, config.data.batch_size, seed=t.seed, drop_last=config.data.drop_last,
                            process_index=jax.process_index(), num_processes=jax.process_count())
     state = step.init(task.params, task.model_state, seed=t.seed)
@@ -125,6 +150,7 @@ def train(config: Config, workdir: str, *, devices=None, log=print, progress: bo
     # released, all while the signals are still handled (a SIGTERM then cannot kill the write).
     with StopSignals() as signals, locked_workdir(workdir, log), contextlib.ExitStack() as cleanup:
         cleanup.callback(batches.close)
+        refuse_symlink(os.path.join(workdir, "checkpoints"), "the checkpoint directory")
         checkpoints = Checkpointer(os.path.join(workdir, "checkpoints"), keep=t.keep_checkpoints)
         cleanup.callback(checkpoints.close)
         # Resume: the newest complete checkpoint, if any (refused, untouched, if from another run).
@@ -160,7 +186,7 @@ class _Loop:
         before it starts trains nothing and repeats its held-out result, from the restored state."""
         t, throughput = self.config.train, _Throughput(start)
         if start == end and self.eval_step is not None:
-            self.eval_metrics = self.evaluate(state)
+            self.eval_metrics = self.evaluate(state, start)
         for s in range(start + 1, end + 1):
             for micro in self.step.micro_batches(next(self.batches)):
                 state, metrics = self.step(state, micro)
@@ -182,21 +208,31 @@ class _Loop:
             if itstime(s, t.checkpoint_every, end) or stop:
                 self.save(s, state, wait=stop or s == end)
             with self.saved_on_failure(s, state):
+                self.writer.write(record)  # before evaluating: an evaluation that fails cannot lose it
                 if self.eval_step is not None and not stop and itstime(s, t.eval_every, end):
-                    self.eval_metrics = self.evaluate(state)
-                    record |= {f"eval_{k}": v for k, v in self.eval_metrics.items()}
-                self.writer.write(record)
+                    self.eval_metrics = self.evaluate(state, s)
+                    self.writer.write({"step": s} | {f"eval_{k}": v for k, v in self.eval_metrics.items()})
             if stop:
+                self.signals.checkpointed = True  # save(wait=True) above: it is on disk
                 self.writer.log(f"stopping at step {s} on {self.signals.requested or 'a peer process signal'}; "
                                 f"checkpoint saved, rerun the same command to resume.")
                 self.preempted = True
                 return state, s
         return state, end
 
-    def evaluate(self, state) -> dict:
-        """Metrics of `state` over the whole held-out set."""
-        return evaluate(self.eval_step, *step_params(self.step, state), self.task.test,
-                        self.config.data.eval_batch_size, self.step.mesh)
+    def evaluate(self, state, s: int) -> dict:
+        """Metrics of `state` (after step `s`) over the whole held-out set; EvaluationOutOfMemoryError
+        if the devices (or the host) run out of memory."""
+        size = self.config.data.eval_batch_size
+        try:
+            return evaluate(self.eval_step, *step_params(self.step, state), self.task.test, size, self.step.mesh)
+        except (MemoryError, RuntimeError) as e:  # XLA's out-of-memory is a JaxRuntimeError, a RuntimeError
+            if not isinstance(e, MemoryError) and "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise EvaluationOutOfMemoryError(
+                f"the evaluation after step {s} ran out of memory ({reason}); lower data.eval_batch_size (now "
+                f"{size}) and rerun the same command, which resumes from the newest checkpoint") from e
 
     def save(self, s: int, state, *, wait: bool) -> None:
         """Checkpoint step `s`; with `wait`, return only once it is complete on disk."""
@@ -275,6 +311,25 @@ def _as_in_older_checkpoint(identity: dict, saved: dict) -> dict:
         if key not in saved.get(section, {}) and identity.get(section, {}).get(key, value) == value:
             identity.get(section, {}).pop(key, None)
     return identity
+
+
+def schedule_facts(config: Config, devices=None, *, stop_after: int | None = None,
+                   fallback_to_intact: bool = False) -> dict:
+    """What every process of a multi-process run must agree on before its first step (`jdp.distributed.agree`).
+
+    The run (`config_hash`), and every field that decides when a process enters a collective:
+    logging and the stop-request check (train.log_every), checkpoints (train.checkpoint_every,
+    keep_checkpoints), evaluations (train.eval_every, data.eval_batch_size), the step count
+    (train.steps, `stop_after`), the non-finite stop (train.max_nonfinite), the layout
+    (parallel.shard_optimizer_state), the fallback's moves (`fallback_to_intact`), and the global and
+    this process's device counts. Keys are the config's dotted names, so a refusal names the field.
+    """
+    devices = list(devices or jax.devices())[:config.parallel.devices or None]
+    d = config.to_dict()
+    facts = {dotted: d[dotted.split(".")[0]][dotted.split(".")[1]] for dotted in HASH_EXCLUDED}
+    mine = sum(getattr(x, "process_index", 0) == jax.process_index() for x in devices)
+    return facts | {"config": config_hash(config), "train.steps": config.train.steps, "stop_after": stop_after,
+                    "fallback_to_intact": fallback_to_intact, "devices": len(devices), "local devices": mine}
 
 
 def meant_for_accelerators(config: Config, devices) -> bool:

@@ -48,6 +48,8 @@ QUICK = (
     "test_linen.py::test_batchnorm_mistakes_are_one_sentence",
     "test_cli.py::test_train_logs_checkpoints_plots_and_resumes",
     "test_multiprocess.py::test_two_processes_equal_one",
+    "test_workdir_files.py::test_a_symlinked_file_in_the_workdir_is_refused_and_its_target_untouched",
+    "test_workdir_files.py::test_rotation_deletes_only_checkpoints_jdp_provably_wrote",
     "test_precision_train.py::test_bad_values_are_one_sentence_naming_the_key",
     "test_precision_train.py::test_resume_with_another_precision_is_refused_and_the_checkpoint_kept",
     "test_zero.py::test_accumulation_and_psum_variant", "test_zero.py::test_refusals_name_the_problem",

@@ -68,3 +68,40 @@ def test_finite_gradient_that_makes_params_nan_is_skipped(accum):
     assert max_abs_diff(params_after, params) == 0.0  # every update was refused: nothing changed
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(params_after))
 
+
+
+def test_an_integer_leaf_in_params_is_named_with_where_it_belongs(sgd_step):
+    params = {**mlp_params(), "counter": np.zeros((), np.int32)}
+    with pytest.raises(ValueError, match=r"params\['counter'\] is int32, .*keep non-trainable values .* in the "
+                                         r"model state \(has_state=True"):
+        sgd_step.init(params)
+
+
+@pytest.mark.parametrize("wrapped", [optax.MultiSteps(optax.sgd(0.1), 2),
+                                     optax.MultiSteps(optax.sgd(0.1), 2).gradient_transformation()],
+                         ids=["MultiSteps", "gradient_transformation"])
+def test_an_optimizer_in_multisteps_with_accum_steps_is_refused_naming_both(wrapped):
+    step = jdp.make_train_step(mlp_loss, wrapped, devices=jax.devices()[:2], accum_steps=2)
+    with pytest.raises(ValueError, match=r"the optimizer is an optax.MultiSteps, .* and accum_steps=2 accumulates "
+                                         r"too"):
+        step.init(mlp_params())
+
+
+def test_an_optimizer_that_needs_the_loss_as_value_is_refused_in_one_sentence():
+    plateau = optax.chain(optax.sgd(0.1), optax.contrib.reduce_on_plateau())
+    step = jdp.make_train_step(mlp_loss, plateau, devices=jax.devices()[:2])
+    with pytest.raises(ValueError, match=r"the optimizer's update needs arguments besides \(updates, state, params\) "
+                                         r"\(.*'value'.*\), such as optax.contrib.reduce_on_plateau's value=loss"):
+        step.init(mlp_params())
+
+
+def test_restoring_another_optimizers_checkpoint_names_the_structure_and_keeps_it(tmp_path, sgd_step):
+    adam = jdp.make_train_step(mlp_loss, optax.adam(0.1), devices=jax.devices()[:4])
+    jdp.save_state(str(tmp_path), adam, adam.init(mlp_params()))
+    files = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    with pytest.raises(jdp.checkpoint.CheckpointMismatchError) as error:
+        jdp.restore_state(str(tmp_path), sgd_step, sgd_step.init(mlp_params()))
+    message = str(error.value)
+    assert "holds an optimizer state of another structure (checkpoint: 0.count ()" in message
+    assert "this step: no arrays" in message and "remove" not in message
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == files

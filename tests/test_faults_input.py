@@ -195,3 +195,33 @@ def test_bad_cpu_threads_is_refused_by_every_step(monkeypatch, value):
     monkeypatch.setenv("JDP_CPU_THREADS", " 8 ")
     assert jdp.cpu.threads_choice() == 8
 
+
+
+def test_zero_features_are_named_by_array(tmp_path):
+    assert arrays_refused(tmp_path, x=np.zeros((40, 0)), y=Y) == (
+        f"data.path '{tmp_path}/d.npz': array 'x' has shape (40, 0): zero features per example, so there is nothing "
+        f"to train on; save the inputs as 'x' with at least one feature.")
+
+
+def test_a_test_fraction_that_leaves_no_training_example_is_named_by_its_key(tmp_path):
+    assert arrays_refused(tmp_path, "--set", "data.test_fraction=0.99", x=X, y=Y) == (
+        f"data.test_fraction=0.99 holds out round(40 × 0.99) = 40 of the 40 examples of data.path "
+        f"'{tmp_path}/d.npz' (arrays 'x' and 'y'), leaving no training example; lower data.test_fraction or add "
+        f"examples.")
+
+
+def test_an_empty_workdir_is_refused(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # today's jdp trained in runs/digits_mlp there
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        code = main(["train", "--steps", "2", "--workdir", "", "--no-progress"])
+    assert_refused(SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue()))
+    assert err.getvalue() == ("jdp: error: --workdir '' is empty; name the run's directory (or leave --workdir out "
+                              "for runs/<config name>).\n")
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_test_fraction_that_leaves_no_digits_training_example_is_named_by_its_key():
+    with pytest.raises(ConfigError, match=r"data.test_fraction=0.9999 holds out round\(1797 × 0.9999\) = 1797 of the "
+                                          r"1797 digits examples \(arrays 'x' and 'y'\), leaving no training example"):
+        load_config(None, ["data.test_fraction=0.9999", "data.drop_last=false"])

@@ -223,3 +223,52 @@ def test_plot_into_a_missing_directory_is_one_sentence(tmp_path, capsys):
     assert err == (f"jdp: error: --out {out!r} is in a directory that does not exist ("
                    f"{str(tmp_path / 'missing')!r}); create it or choose another path.\n")
     assert snapshot(tmp_path) == before
+
+
+def test_out_of_memory_evaluation_mid_run_keeps_the_steps_record_and_ends_in_one_sentence(tmp_path, monkeypatch,
+                                                                                          capsys):
+    real, calls = train_module.evaluate, []
+
+    def fails_second(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.00GiB.")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(train_module, "evaluate", fails_second)
+    argv = ["train", "--devices", "2", "--steps", "6", "--set", "data.batch_size=64", "--set", "train.eval_every=2",
+            "--log-every", "1", "--workdir", str(tmp_path / "w"), "--no-progress"]
+    code = jdp.cli.main(argv)
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1, err
+    assert err == ("jdp: error: the evaluation after step 4 ran out of memory (RESOURCE_EXHAUSTED: Out of memory "
+                   "while trying to allocate 1.00GiB.); lower data.eval_batch_size (now 256) and rerun the same "
+                   "command, which resumes from the newest checkpoint.\n")
+    assert checkpoint_steps(tmp_path / "w") == [4]
+    with open(tmp_path / "w" / "metrics.jsonl") as f:
+        assert [r["step"] for r in map(json.loads, f) if "loss" in r] == [1, 2, 3, 4]  # step 4's record too
+    monkeypatch.undo()
+    assert jdp.cli.main(argv) == 0
+    with open(tmp_path / "w" / "metrics.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in records if "eval_loss" in r] == [2, 6]
+
+
+def test_a_checkpoint_write_past_the_file_size_limit_is_one_sentence_and_resumes(tmp_path):
+    # RLIMIT_FSIZE makes every write past 20 kB fail with EFBIG, as a full disk fails with ENOSPC:
+    # the metrics lines fit, the first checkpoint (step 2, ~115 kB of arrays) does not.
+    work = tmp_path / "w"
+    argv = [sys.executable, "-m", "jdp.cli", "train", "--devices", "2", "--steps", "4", "--checkpoint-every", "2",
+            "--set", "data.batch_size=64", "--workdir", str(work), "--no-progress"]
+    limited = [sys.executable, "-c", "import os, resource, sys; resource.setrlimit(resource.RLIMIT_FSIZE, (20000, "
+               "20000)); os.execv(sys.argv[1], sys.argv[1:])", *argv]  # no fork of this (threaded) process
+    uncached = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}  # cut entries: corrupt
+    r = subprocess.run(limited, capture_output=True, text=True, cwd=ROOT, timeout=240, env=uncached)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr[-3000:]
+    assert r.stderr.startswith(f"jdp: error: checkpoint 2 could not be written to '{work}/checkpoints' (File too "
+                               f"large: a full disk, a quota or the file-size limit); it needs about 0.1 MB of free "
+                               f"space"), r.stderr
+    assert "every checkpoint saved before it is intact" in r.stderr and "Traceback" not in r.stderr
+    r = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=240)
+    assert r.returncode == 0 and "done at step 4 of 4" in r.stdout, r.stderr[-3000:]

@@ -155,7 +155,30 @@ def test_a_killed_peer_stops_the_survivor_within_60_s(tmp_path):
     (code, _, err), _ = finish(procs, timeout=90)
     waited = time.monotonic() - killed_at
     assert code == 1 and waited < 60, (code, waited)
-    assert "jdp: error: process 0 stopped abnormally" in err and "a peer process died" in err
+    assert "jdp: error: process 0 stopped (SIGABRT) because process 1 stopped responding" in err, err[-1500:]
+
+
+def test_a_stalled_peer_is_named_with_the_heartbeat_timeout(tmp_path):
+    # SIGSTOP: the peer is alive but silent; the survivor must say which one, that it may only be
+    # stalled, and the timeout it waited (here set to 5 s) with the flag that changes it.
+    work = tmp_path / "stall"
+    procs = launch(work, 100000, extra=["--set", "train.steps=100000", "--heartbeat-timeout", "5"])
+    stalled = None
+    try:
+        deadline = time.monotonic() + 120
+        while not os.path.exists(work / "metrics.jsonl") or len(losses(work)) < 2:
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+            time.sleep(0.2)
+        stalled = trainer_pid(procs[1])
+        os.kill(stalled, signal.SIGSTOP)
+        _, err = procs[0].communicate(timeout=90)
+    finally:
+        if stalled is not None:
+            os.kill(stalled, signal.SIGKILL)
+        finish(procs, timeout=30)
+    assert procs[0].returncode == 1, err[-1500:]
+    assert ("process 1 stopped responding (it may be stalled rather than dead): no heartbeat reached the "
+            "coordinator for --heartbeat-timeout 5 s") in err, err[-1500:]
 
 
 def test_unreachable_coordinator_is_a_clear_error():
@@ -180,6 +203,23 @@ def test_processes_that_disagree_stop_naming_the_difference(tmp_path):
         assert "processes disagree about the run (config: process 0" in err and "Traceback" not in err
 
 
+def test_processes_with_another_schedule_or_device_count_are_refused_before_any_step(tmp_path):
+    # A different --checkpoint-every would deadlock at the first checkpoint (one process enters
+    # orbax's collective save, the other the next step); a different --devices would fail in a
+    # reshape. Both are named, with every process's value, before anything is trained.
+    port = free_port()
+    procs = [subprocess.Popen(jdp_train("--workdir", str(tmp_path / "s"), "--steps", "4", "--devices", devices,
+                                        "--checkpoint-every", every, "--coordinator", f"127.0.0.1:{port}",
+                                        "--num-processes", "2", "--process-id", str(i), "--init-timeout", "30"),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
+             for i, (devices, every) in enumerate((("2", "2"), ("4", "3")))]
+    for code, _, err in finish(procs, timeout=120):
+        assert code == 2 and "Traceback" not in err, err[-1500:]
+        assert "local devices: process 0 2, process 1 4" in err, err[-1500:]
+        assert "train.checkpoint_every: process 0 2, process 1 3" in err, err[-1500:]
+    assert not os.path.exists(tmp_path / "s" / "metrics.jsonl")
+
+
 def test_sigint_on_a_single_process_run_checkpoints_and_exits_0(tmp_path):
     work = tmp_path / "int"
     proc = subprocess.Popen(jdp_train("--workdir", str(work), "--steps", "2000", "--devices", "2"),
@@ -193,3 +233,38 @@ def test_sigint_on_a_single_process_run_checkpoints_and_exits_0(tmp_path):
     assert code == 0 and "stopping at step" in out and "SIGINT" in out, err[-1500:]
     stopped, _ = latest_params(work)
     assert stopped == max(losses(work))
+
+
+def test_sigterms_during_the_teardown_after_a_preemption_checkpoint_exit_0(tmp_path):
+    # A scheduler repeats SIGTERM until the job ends: once "checkpoint saved" is printed the job has
+    # succeeded, so every later signal must end it with exit code 0, not -15.
+    import threading
+
+    work = tmp_path / "teardown"
+    proc = subprocess.Popen(jdp_train("--workdir", str(work), "--steps", "2000", "--devices", "2"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            env={**ENV, "PYTHONUNBUFFERED": "1"})
+    saved = threading.Event()
+    reader = threading.Thread(target=lambda: [saved.set() for line in proc.stdout if "checkpoint saved" in line],
+                              daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not os.path.exists(work / "metrics.jsonl") or len(losses(work)) < 3:
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        assert saved.wait(60), "no 'checkpoint saved' line"
+        while proc.poll() is None:  # again and again, through the whole teardown
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.002)
+        code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        reader.join(timeout=10)
+        err = proc.stderr.read()
+        proc.stdout.close()
+        proc.stderr.close()
+    assert code == 0, err[-1500:]
