@@ -134,7 +134,7 @@ MUTANTS = [
            "lax.dynamic_slice_in_dim(self.padded(x, c), (d + 1) % self.n * c, c)",
            ("tests/test_zero.py", "-k", "sharded_equals_replicated and sgd")),
     Mutant("zero_elementwise_not_checked", "step.py",
-           "        check_elementwise(tx)\n",
+           '        check_elementwise(tx, "shard_params" if o.shard_params else "shard_optimizer_state")\n',
            "        pass\n",
            ("tests/test_zero.py::test_refusals_name_the_problem",)),
     Mutant("zero_padding_decides_skip", "zero.py",

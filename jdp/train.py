@@ -110,7 +110,7 @@ def train(config: Config, workdir: str, *, devices=None, log=print, progress: bo
                            lr_correction=p.lr_correction, devices=devices, has_aux=True, needs_rng=True,
                            has_state=True, accum_steps=p.accum_steps, accum_sync=p.accum_sync,
                            skip_nonfinite=t.max_nonfinite > 0, precision=t.precision, reduce_dtype=p.reduce_dtype,
-                           shard_optimizer_state=p.shard_optimizer_state)
+                           shard_optimizer_state=p.shard_optimizer_state, shard_params=p.shard_params)
     # Every process must be about to run the same thing (config, data, length) before any step.
     agree({"config": config_hash(config), "train_examples": len(task.train), "steps": t.steps,
            "devices": len(devices)})
