@@ -32,6 +32,16 @@ class MemoryReport:
         """Bytes of the state the step keeps between calls."""
         return self.params + self.optimizer_state + self.accumulator
 
+    @property
+    def allocated(self) -> int | None:
+        """The most bytes the compiled step holds on a device (with a batch): its arguments, its
+        outputs not aliased to donated arguments, and its temporaries (XLA's buffer assignment
+        reuses temporary space by liveness, so `temp` is already the temporaries' peak)."""
+        if not self.compiled:
+            return None
+        c = self.compiled
+        return c["argument"] + c["output"] - c["alias"] + c["temp"]
+
     def __str__(self) -> str:
         layout = ("params, gradient and optimizer state sharded" if self.params_sharded
                   else "optimizer state sharded" if self.sharded else "replicated")
@@ -45,8 +55,9 @@ class MemoryReport:
 
 def memory_report(step, state, batch=None) -> MemoryReport:
     """Bytes per device of `state` (from `step.init`) for `step`; with `batch`, also XLA's memory
-    analysis of the compiled step: arguments, outputs, temporaries, and `peak` (XLA's estimate of
-    the most bytes live at once on a device; 0 where the backend does not report it)."""
+    analysis of the compiled step: arguments, outputs, the bytes of outputs aliased to donated
+    arguments, temporaries, and `peak` (XLA's own peak estimate; on CPU it leaves the
+    temporaries out, so `MemoryReport.allocated` is the figure to compare there)."""
     slices = getattr(step.layout, "slices", None)
     # the params' own shapes: a sharded layout's slices know them (with shard_params the state holds flat slices)
     shapes = (slices.leaves if slices is not None else
@@ -61,7 +72,7 @@ def memory_report(step, state, batch=None) -> MemoryReport:
     if batch is not None:
         stats = step.lower(state, batch).compile().memory_analysis()
         compiled = None if stats is None else {name: int(getattr(stats, f"{name}_size_in_bytes"))
-                                               for name in ("argument", "output", "temp")}
+                                               for name in ("argument", "output", "alias", "temp")}
         if compiled is not None:
             compiled["peak"] = int(getattr(stats, "peak_memory_in_bytes", 0) or 0)
     return MemoryReport(devices=step.num_devices, sharded=slices is not None, params=bytes_on_one_device(state.params),
