@@ -65,15 +65,16 @@ def full_plan() -> Plan:
     # candidates each, a factor of 2 apart, largest first: each try compiles (tens of seconds).
     return Plan("full", cfg["gpt"], cfg["remat"], cfg["batch"], flash=True, steps=10, repeats=2,
                 candidates={"on": (2048, 1024, 512), "off": (256, 128, 64)}, search_steps=2,
-                explain_ns=(2, 4, 8), fsdp_ns=(8,), fsdp_layouts=("replicated", "zero1", "fsdp"), optimizers=("sgd", "adam"), test_platform="cuda",
-                test_files=99, test_timeout_s=60,
+                explain_ns=(2, 4, 8), fsdp_ns=(8,), fsdp_layouts=("replicated", "zero1", "fsdp"),
+                optimizers=("sgd", "adam"), test_platform="cuda", test_files=99, test_timeout_s=60,
                 budgets={"env": 40, "exactness": 60, "throughput": 150, "tests": 110, "fsdp": 100,
                          "largest_batch": 170, "cpu_bf16_comm": 240}, deadline_s=450)
 
 
 DRY = Plan("dry", {"vocab": 32, "context": 16, "d_model": 32, "n_heads": 2, "n_layers": 1}, True, 8, flash=False,
            steps=2, repeats=1, candidates={"on": (16, 8), "off": (16, 8)}, search_steps=1, explain_ns=(2,),
-           fsdp_ns=(2,), fsdp_layouts=("fsdp",), optimizers=("sgd",), test_platform="cpu", test_files=2, test_timeout_s=60,
+           fsdp_ns=(2,), fsdp_layouts=("fsdp",), optimizers=("sgd",), test_platform="cpu", test_files=2,
+           test_timeout_s=60,
            budgets={"env": 30, "exactness": 40, "throughput": 40, "tests": 60, "fsdp": 40, "largest_batch": 40,
                     "cpu_bf16_comm": 60}, deadline_s=110)
 
@@ -256,7 +257,8 @@ def _compiled_layouts(plan: Plan, n: int, devices) -> dict:
                     dropout=0.0, dtype="bfloat16", attention="fused", remat=plan.remat, rngs=nnx.Rngs(0))
         step = jdp.nnx.make_train_step(model, loss_fn, optax.adamw(1e-4), devices=devices[:n], precision="bfloat16",
                                        grad_norm=False, **options)
-        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), (step.model.params, step.model.rest))
+        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype),
+                              (step.model.params, step.model.rest))
         state = jax.eval_shape(lambda p, r: step.step.init(p, r), *shapes)
         tokens = jax.ShapeDtypeStruct((per_device * n, g["context"]), np.int32,
                                       sharding=NamedSharding(step.mesh, P(step.mesh.axis_names[0])))
@@ -264,14 +266,16 @@ def _compiled_layouts(plan: Plan, n: int, devices) -> dict:
         stats, hlo = compiled.memory_analysis(), compiled.as_text()
         found = parse_collectives(hlo)
         out[layout] = {"compile_s": round(time.perf_counter() - t0, 1),
-                       **{k: int(getattr(stats, f"{k}_size_in_bytes")) for k in ("argument", "output", "alias", "temp")},
+                       **{k: int(getattr(stats, f"{k}_size_in_bytes"))
+                          for k in ("argument", "output", "alias", "temp")},
                        "peak": int(getattr(stats, "peak_memory_in_bytes", 0) or 0),
                        "collectives": {kind: {"count": sum(c["kind"] == kind for c in found),
                                               "bytes": sum(c["bytes"] for c in found if c["kind"] == kind)}
                                        for kind in ("all-reduce", "reduce-scatter", "all-gather")},
                        "async_starts": len(re.findall(r"(?:all-gather|all-reduce|reduce-scatter|async)-start\(", hlo))}
         out["model"] = {"params": int(sum(np.size(x) for x in jax.tree.leaves(shapes[0]))), "per_device": per_device,
-                        "context": g["context"], "n_layers": g["n_layers"], "d_model": g["d_model"], "remat": plan.remat}
+                        "context": g["context"], "n_layers": g["n_layers"], "d_model": g["d_model"],
+                        "remat": plan.remat}
     return out
 
 

@@ -51,6 +51,7 @@ QUICK = (
     "test_precision_train.py::test_resume_with_another_precision_is_refused_and_the_checkpoint_kept",
     "test_zero.py::test_accumulation_and_psum_variant", "test_zero.py::test_refusals_name_the_problem",
     "test_zero.py::test_config_key_and_its_refusal",
+    "test_fsdp.py::test_params_and_optimizer_state_are_one_nth_per_device", "test_fsdp.py::test_refusals_and_config_key",
 )
 
 

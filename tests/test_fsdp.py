@@ -79,6 +79,7 @@ def test_params_and_optimizer_state_are_one_nth_per_device():
         for leaf, shard in zip(jax.tree.leaves(mlp_params()), jax.tree.leaves(state.params)):
             held = shard.addressable_shards[0].data.nbytes  # what device 0 keeps of this leaf
             assert held == -(-leaf.size // n) * 4 and held <= leaf.nbytes / n + 4
+        jdp.check_replicas(state)  # the replicated leaves (counters, step count) agree; slices are not copies
         report = jdp.memory_report(step, state)
         assert report.params_sharded and report.sharded and report.gradient == total
         assert report.params == report.reduced_gradient == padded_bytes(n) // n
