@@ -142,16 +142,16 @@ MUTANTS = [
            "params",  # the padding's 0/0 of an eps=0 Adam counts as a non-finite step
            ("tests/test_zero.py::test_padding_never_decides_a_skip",)),
     Mutant("fsdp_clips_with_local_norm", "zero.py",
-           "norm = jnp.sqrt(squared_norm_everywhere(updates))",
-           "norm = optax.tree.norm(updates)",  # each device clips by its own slice's norm
+           "norm = jnp.sqrt(squared_norm_everywhere(updates",
+           "norm = optax.tree.norm(updates) + 0 * jnp.sqrt(squared_norm_everywhere(updates",  # its own slice's norm
            ("tests/test_fsdp.py", "-k", "equals_replicated and adamw_clip")),
     Mutant("fsdp_params_left_replicated", "step.py",
            "self.layout = (FullyShardedLayout(self.mesh, accum, self.optimizer) if o.shard_params",
            "self.layout = (ShardedStateLayout(self.mesh, accum, self.optimizer) if o.shard_params",  # ZeRO-1
            ("tests/test_fsdp.py::test_params_and_optimizer_state_are_one_nth_per_device",)),
     Mutant("fsdp_gradient_allreduced_then_sliced", "zero.py",
-           'return self.slices.scatter(grads, o.reduction == "mean", o.reduce_dtype), mean_over_devices(means)',
-           "return self.slices.own(mean_over_devices(grads)), mean_over_devices(means)",
+           'self.slices.scatter(grads, o.reduction == "mean", o.reduce_dtype)',
+           "self.slices.own(mean_over_devices(grads))",
            ("tests/test_fsdp.py::test_collectives_gather_params_scatter_gradient_and_no_gradient_allreduce",)),
     Mutant("fsdp_get_params_flat", "step.py",
            "            return x.whole()\n",
