@@ -134,7 +134,8 @@ def test_accumulation_and_psum_variant(accum_sync, reduction, lr_correction):
 def test_model_state_mask_aux_and_bf16_compute():
     def loss(params, stats, batch):
         value, aux = mlp_loss_acc(params, batch)
-        return value, (aux, 0.9 * stats + 0.1 * jnp.mean(batch["x"]))
+        # a running mean over the global batch (synchronised, as BatchNorm with axis_name="data")
+        return value, (aux, 0.9 * stats + 0.1 * jax.lax.pmean(jnp.mean(batch["x"]), "data"))
 
     batch = dict(DATA[0], mask=np.r_[np.ones(GLOBAL - 3), np.zeros(3)].astype(np.float32))
     finals = []
