@@ -49,7 +49,8 @@ class MemoryReport:
                 f"{self.gradient:,} B (reduced: {self.reduced_gradient:,} B), optimizer state "
                 f"{self.optimizer_state:,} B, accumulator {self.accumulator:,} B")
         if self.compiled:
-            text += ", compiled step: " + ", ".join(f"{k} {v:,} B" for k, v in self.compiled.items())
+            text += (", compiled step: " + ", ".join(f"{k} {v:,} B" for k, v in self.compiled.items())
+                     + f" (allocates {self.allocated:,} B)")
         return text
 
 
