@@ -146,7 +146,7 @@ MUTANTS = [
            "norm = optax.tree.norm(updates) + 0 * jnp.sqrt(squared_norm_everywhere(updates",  # its own slice's norm
            ("tests/test_fsdp.py", "-k", "equals_replicated and adamw_clip")),
     Mutant("fsdp_params_left_replicated", "step.py",
-           "self.layout = (FullyShardedLayout(self.mesh, accum, self.optimizer) if o.shard_params",
+           "self.layout = (FullyShardedLayout(self.mesh, accum, self.optimizer, o.precision) if o.shard_params",
            "self.layout = (ShardedStateLayout(self.mesh, accum, self.optimizer) if o.shard_params",  # ZeRO-1
            ("tests/test_fsdp.py::test_params_and_optimizer_state_are_one_nth_per_device",)),
     Mutant("fsdp_gradient_allreduced_then_sliced", "zero.py",
@@ -169,6 +169,14 @@ MUTANTS = [
            '"parallel.shard_optimizer_state", "parallel.shard_params",',
            '"parallel.shard_optimizer_state",',
            ("tests/test_fsdp.py::test_trainer_resumes_across_shard_params_and_device_counts",)),
+    Mutant("fsdp_gathers_float32_under_bf16", "fsdp.py",
+           "if value.dtype == jnp.float32 and self.compute_dtype != jnp.float32:",
+           "if False:",  # the same step, twice the gather's bytes
+           ("tests/test_fsdp.py::test_model_state_mask_aux_and_bf16_compute",)),
+    Mutant("fsdp_bf16_gradient_reduced_in_bf16", "fsdp.py",
+           "grads = jax.tree.map(lambda g, leaf: g.astype(leaf.dtype), grads, self.slices.struct)",
+           "grads = grads",  # the gradient w.r.t. bf16 params is summed in bf16 though reduce_dtype is float32
+           ("tests/test_fsdp.py::test_model_state_mask_aux_and_bf16_compute",)),
     Mutant("donated_state_not_checked", "step.py",
            "isinstance(state.step, jax.Array) and state.step.is_deleted()",
            "False",

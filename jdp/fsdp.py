@@ -13,7 +13,11 @@ slices too, so that between steps each device holds (4 + 8)/N bytes per paramete
    slices: the next call gathers them (step 1) instead of this one.
 
 Per call the traffic is the ring all-reduce's, 2(N−1)/N · P bytes: an all-gather of the params
-and a reduce-scatter of the gradient, (N−1)/N · P each. With accum_steps = M the params are
+and a reduce-scatter of the gradient, (N−1)/N · P each. With precision="bfloat16" the float32
+slices are cast to bfloat16 before the gather, which halves its bytes and gives the loss exactly
+the bf16 params it would compute with anyway (the replicated step casts them inside the loss);
+the gradient w.r.t. them is cast back to float32 before the reduce-scatter, as the replicated
+step's cast does in the backward pass, so the result is the replicated step's, bit for bit. With accum_steps = M the params are
 gathered on each of the M calls; accum_sync="last" keeps each device's gradient sums whole (its
 accumulator is P bytes) and reduce-scatters them once per optimizer step, "every" reduce-scatters
 every call and accumulates slices (in optax.MultiSteps' sharded state).
@@ -30,11 +34,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jdp.mesh import replicated
+from jdp.precision import DTYPES
 from jdp.state import TrainState
 from jdp.zero import ShardedStateLayout
 
@@ -81,9 +87,10 @@ class FullyShardedLayout(ShardedStateLayout):
 
     name = "fsdp"
 
-    def __init__(self, mesh, accum: str | None, optimizer):
+    def __init__(self, mesh, accum: str | None, optimizer, precision: str = "float32"):
         super().__init__(mesh, accum, optimizer)
         self.axis = mesh.axis_names[0]
+        self.compute_dtype = DTYPES[precision]  # what the loss computes in: the dtype the params are gathered in
 
     def state_specs(self, opt_specs) -> TrainState:
         return super().state_specs(opt_specs).replace(params=P(self.axis))
@@ -91,12 +98,23 @@ class FullyShardedLayout(ShardedStateLayout):
     def per_device(self, params):
         """The whole params in their shapes for the forward and backward pass: one all-gather
         per leaf (of its N·c_i elements, the first s_i kept), outside the differentiated loss, so
-        the gradient is this device's own, w.r.t. the whole params."""
+        the gradient is this device's own, w.r.t. the whole params. Float32 leaves travel in the
+        compute dtype (bfloat16 with precision="bfloat16", which the loss casts them to anyway)."""
         def whole(shard: ParamShard):
-            flat = lax.all_gather(shard.value, self.axis, tiled=True)
+            value = shard.value
+            if value.dtype == jnp.float32 and self.compute_dtype != jnp.float32:
+                value = value.astype(self.compute_dtype)
+            flat = lax.all_gather(value, self.axis, tiled=True)
             return flat[:shard.size].reshape(shard.shape)
 
         return jax.tree.map(whole, params, is_leaf=is_shard)
+
+    def reduce(self, grads, means, o):
+        """`ShardedStateLayout.reduce` of the gradient in the params' own dtypes (a gradient w.r.t.
+        params gathered in bfloat16 is cast back to float32 first, exactly, as the replicated
+        step's cast inside the loss does)."""
+        grads = jax.tree.map(lambda g, leaf: g.astype(leaf.dtype), grads, self.slices.struct)
+        return super().reduce(grads, means, o)
 
     def own(self, params):
         """This device's (c_i,) slice of every leaf: what the state already holds."""

@@ -46,7 +46,7 @@ class TrainStep:
         self.optimizer = step_optimizer(optimizer, o, self.num_devices)
         # accum_sync="last" sums per device; "every" (M > 1) sums reduced, replicated metrics.
         accum = "per_device" if o.local_accum else "replicated" if o.multi_steps else None
-        self.layout = (FullyShardedLayout(self.mesh, accum, self.optimizer) if o.shard_params
+        self.layout = (FullyShardedLayout(self.mesh, accum, self.optimizer, o.precision) if o.shard_params
                        else ShardedStateLayout(self.mesh, accum, self.optimizer) if o.shard_optimizer_state
                        else LAYOUTS[o.backend](self.mesh, accum))
         self._loss = in_precision(partial(call_loss, loss_fn, o), o.precision, o.mask_key)

@@ -138,16 +138,23 @@ def test_model_state_mask_aux_and_bf16_compute():
         return value, (aux, 0.9 * stats + 0.1 * jax.lax.pmean(jnp.mean(batch["x"]), "data"))
 
     batch = dict(DATA[0], mask=np.r_[np.ones(GLOBAL - 3), np.zeros(3)].astype(np.float32))
-    finals = []
-    for shard in (False, True):
-        step = jdp.make_train_step(loss, OPTIMIZERS["adam"], devices=jax.devices()[:4], has_state=True, has_aux=True,
-                                   precision="bf16", reduce_dtype="bf16", shard_params=shard)
-        state = step.init(mlp_params(), np.float32(0.0))
-        for _ in range(3):
-            state, metrics = step(state, batch)
-        finals.append((jdp.get_params(state), state.model_state, metrics["aux"]["accuracy"]))
-    # bf16 rounds the same values at the same points in both layouts
-    assert_close(finals[1], finals[0], tol=1e-6)
+    for reduce_dtype in (None, "bf16"):
+        finals = []
+        for shard in (False, True):
+            step = jdp.make_train_step(loss, OPTIMIZERS["adam"], devices=jax.devices()[:4], has_state=True,
+                                       has_aux=True, precision="bf16", reduce_dtype=reduce_dtype, shard_params=shard)
+            state = step.init(mlp_params(), np.float32(0.0))
+            for _ in range(3):
+                state, metrics = step(state, batch)
+            finals.append((jdp.get_params(state), state.model_state, metrics["aux"]["accuracy"]))
+        # the params are gathered in bf16, which the loss computes with anyway, and the gradient is cast back
+        # to float32 before it is reduced: bf16 rounds the same values at the same points in both layouts (a
+        # float32 reduce-scatter may add the devices' values in another order than the all-reduce: 1e-6)
+        assert_close(finals[1], finals[0], tol=1e-6)
+        program = jdp.comm.parse_collectives(step.lower(state, batch).as_text(dialect="hlo"))
+        assert sum(c["bytes"] for c in program if c["kind"] == "all-gather") == padded_bytes(4) // 2  # bf16: half
+        scattered = [c["bytes"] for c in program if c["kind"] == "reduce-scatter"]
+        assert scattered == [padded_bytes(4) // (2 if reduce_dtype else 1)]
 
 
 class Tiny(nnx.Module):
