@@ -9,6 +9,9 @@ markdown report (default $OUT/gpu_check.md where OUT is set, else benchmarks/res
   (d) exactness  (i) bf16 compute vs float32 on the GPU, (ii) a 1-device step with
                  reduce_dtype=bf16 (no all-reduce at N=1) and what its compiled HLO keeps, and
                  (iii) `jdp explain`'s bf16 gradient communication on 8 fake CPU devices (CPU!)
+  (e) fsdp       replicated / ZeRO-1 / FSDP (shard_params) compiled by XLA's GPU compiler for 8
+                 mocked GPUs (jax_mock_gpu_topology: compiled, never run): bytes per device, XLA's
+                 peak under the GPU scheduler, the collectives and how many are asynchronous
 
 Each part runs in its own process (benchmarks/gpu_parts.py) under a time limit of min(its budget,
 time left before the deadline), so a failing or slow part leaves its error and partial results
@@ -46,7 +49,7 @@ TESTS = (
     ("tests/test_config.py", "not reproduces_the_seed_step and not runs_as_the_mean"),
     ("tests/test_data.py", ""),
 )
-GPU_PARTS = ("env", "exactness", "throughput", "tests", "largest_batch")
+GPU_PARTS = ("env", "exactness", "throughput", "tests", "fsdp", "largest_batch")
 
 
 def child_env(platform: str | None, **extra) -> dict:

@@ -34,6 +34,8 @@ class Plan:
     candidates: dict  # "on"/"off" (remat) -> global batches to try, largest first
     search_steps: int  # timed steps per fitting batch in the search (1 repeat)
     explain_ns: tuple  # fake CPU device counts of explain's bf16 section
+    fsdp_ns: tuple  # device counts the fsdp part compiles for (mocked GPUs; fake CPU devices when dry)
+    fsdp_layouts: tuple  # which of "replicated", "zero1", "fsdp" it compiles
     optimizers: tuple  # of the exactness part (explain's specs)
     test_platform: str  # JDP_TEST_PLATFORM for the tests part
     test_files: int  # how many of gpu_check.TESTS to run (dry: the first few)
@@ -63,16 +65,17 @@ def full_plan() -> Plan:
     # candidates each, a factor of 2 apart, largest first: each try compiles (tens of seconds).
     return Plan("full", cfg["gpt"], cfg["remat"], cfg["batch"], flash=True, steps=10, repeats=2,
                 candidates={"on": (2048, 1024, 512), "off": (256, 128, 64)}, search_steps=2,
-                explain_ns=(2, 4, 8), optimizers=("sgd", "adam"), test_platform="cuda", test_files=99,
-                test_timeout_s=60,
-                budgets={"env": 40, "exactness": 60, "throughput": 150, "tests": 110, "largest_batch": 170,
-                         "cpu_bf16_comm": 240}, deadline_s=450)
+                explain_ns=(2, 4, 8), fsdp_ns=(8,), fsdp_layouts=("replicated", "zero1", "fsdp"),
+                optimizers=("sgd", "adam"), test_platform="cuda", test_files=99, test_timeout_s=60,
+                budgets={"env": 40, "exactness": 60, "throughput": 150, "tests": 110, "fsdp": 100,
+                         "largest_batch": 170, "cpu_bf16_comm": 240}, deadline_s=450)
 
 
 DRY = Plan("dry", {"vocab": 32, "context": 16, "d_model": 32, "n_heads": 2, "n_layers": 1}, True, 8, flash=False,
            steps=2, repeats=1, candidates={"on": (16, 8), "off": (16, 8)}, search_steps=1, explain_ns=(2,),
-           optimizers=("sgd",), test_platform="cpu", test_files=2, test_timeout_s=60,
-           budgets={"env": 30, "exactness": 40, "throughput": 40, "tests": 60, "largest_batch": 40,
+           fsdp_ns=(2,), fsdp_layouts=("fsdp",), optimizers=("sgd",), test_platform="cpu", test_files=2,
+           test_timeout_s=60,
+           budgets={"env": 30, "exactness": 40, "throughput": 40, "tests": 60, "fsdp": 40, "largest_batch": 40,
                     "cpu_bf16_comm": 60}, deadline_s=110)
 
 
@@ -224,7 +227,79 @@ def part_cpu_bf16_comm(plan: Plan, emit) -> None:
     emit({"platform": "CPU, fake devices", **section, "seconds": round(time.perf_counter() - t0, 1)})
 
 
-PARTS = {"env": part_env, "exactness": part_exactness, "throughput": part_throughput,
+def _compiled_layouts(plan: Plan, n: int, devices) -> dict:
+    """The GPT's bf16 AdamW step for `n` of `devices` in each layout, lowered from abstract values
+    (shapes and shardings only: nothing is placed or run) and compiled: XLA's memory analysis and
+    the compiled program's collectives."""
+    import re
+
+    import jax
+    import numpy as np
+    import optax
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import jdp
+    from jdp.comm import parse_collectives
+    from jdp.models import GPT
+
+    g = plan.gpt
+    per_device = max(1, plan.throughput_batch // max(plan.fsdp_ns))
+
+    def loss_fn(model, batch):
+        return optax.softmax_cross_entropy_with_integer_labels(model(batch["x"], train=False), batch["y"]).mean()
+
+    out = {}
+    for layout in plan.fsdp_layouts:
+        options = {"replicated": {}, "zero1": {"shard_optimizer_state": True}, "fsdp": {"shard_params": True}}[layout]
+        t0 = time.perf_counter()
+        model = GPT(g["vocab"], g["context"], d_model=g["d_model"], n_heads=g["n_heads"], n_layers=g["n_layers"],
+                    dropout=0.0, dtype="bfloat16", attention="fused", remat=plan.remat, rngs=nnx.Rngs(0))
+        step = jdp.nnx.make_train_step(model, loss_fn, optax.adamw(1e-4), devices=devices[:n], precision="bfloat16",
+                                       grad_norm=False, **options)
+        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype),
+                              (step.model.params, step.model.rest))
+        state = jax.eval_shape(lambda p, r: step.step.init(p, r), *shapes)
+        tokens = jax.ShapeDtypeStruct((per_device * n, g["context"]), np.int32,
+                                      sharding=NamedSharding(step.mesh, P(step.mesh.axis_names[0])))
+        compiled = step.step._step.lower(state, {"x": tokens, "y": tokens}).compile()
+        stats, hlo = compiled.memory_analysis(), compiled.as_text()
+        found = parse_collectives(hlo)
+        out[layout] = {"compile_s": round(time.perf_counter() - t0, 1),
+                       **{k: int(getattr(stats, f"{k}_size_in_bytes"))
+                          for k in ("argument", "output", "alias", "temp")},
+                       "peak": int(getattr(stats, "peak_memory_in_bytes", 0) or 0),
+                       "collectives": {kind: {"count": sum(c["kind"] == kind for c in found),
+                                              "bytes": sum(c["bytes"] for c in found if c["kind"] == kind)}
+                                       for kind in ("all-reduce", "reduce-scatter", "all-gather")},
+                       "async_starts": len(re.findall(r"(?:all-gather|all-reduce|reduce-scatter|async)-start\(", hlo))}
+        out["model"] = {"params": int(sum(np.size(x) for x in jax.tree.leaves(shapes[0]))), "per_device": per_device,
+                        "context": g["context"], "n_layers": g["n_layers"], "d_model": g["d_model"],
+                        "remat": plan.remat}
+    return out
+
+
+def part_fsdp(plan: Plan, emit) -> None:
+    """(e) replicated / ZeRO-1 / FSDP as XLA's compiler for this backend builds them for N devices:
+    bytes per device (arguments, temporaries, XLA's peak) and the compiled collectives. On one GPU
+    the N GPUs are mocked (jax_mock_gpu_topology, mock NCCL): everything is compiled, nothing runs.
+    The dry run compiles for fake CPU devices instead."""
+    import jax
+
+    if plan.name == "dry":
+        import jdp.cpu
+
+        jdp.cpu.use_cpu_devices(max(plan.fsdp_ns))
+    else:
+        jax.config.update("jax_mock_gpu_topology", f"1x1x{max(plan.fsdp_ns)}")
+    devices = jax.devices()
+    out = {"backend": jax.default_backend(), "devices": [str(d) for d in devices[:max(plan.fsdp_ns)]], "runs": {}}
+    for n in plan.fsdp_ns:
+        out["runs"][str(n)] = _compiled_layouts(plan, n, devices)
+        emit(out)
+
+
+PARTS = {"env": part_env, "exactness": part_exactness, "throughput": part_throughput, "fsdp": part_fsdp,
          "largest_batch": part_largest_batch, "cpu_bf16_comm": part_cpu_bf16_comm}
 
 

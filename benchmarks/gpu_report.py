@@ -143,6 +143,31 @@ def _cpu_bf16(part: dict | None) -> list[str]:
     return lines
 
 
+def _fsdp(part: dict | None) -> list[str]:
+    r = (part or {}).get("result") or {}
+    lines = ["## (e) Replicated / ZeRO-1 / FSDP as XLA's compiler builds them (compiled, not run)", ""]
+    lines += _status(part)
+    for n, runs in r.get("runs", {}).items():
+        m = runs["model"]
+        lines += [f"Backend {r['backend']}, N = {n} ({', '.join(r['devices'][:2])}, ...): GPT {m['params']:,} params, "
+                  f"{m['n_layers']} layers, d_model {m['d_model']}, {m['per_device']} windows of {m['context']} "
+                  f"tokens per device, bf16 compute, AdamW, remat {m['remat']}. Bytes per device from XLA's memory "
+                  f"analysis; collectives of the compiled program (count, payload bytes); async: the collectives "
+                  f"scheduled as start/done pairs (what can overlap compute).", ""]
+        rows = []
+        for layout in ("replicated", "zero1", "fsdp"):
+            x = runs.get(layout)
+            if x:
+                c = x["collectives"]
+                rows.append([layout, f"{x['argument']:,}", f"{x['temp']:,}", f"{x['peak']:,}",
+                             *[f"{c[k]['count']} / {c[k]['bytes']:,}" for k in ("all-reduce", "reduce-scatter",
+                                                                               "all-gather")],
+                             x["async_starts"], x["compile_s"]])
+        lines += _table(["layout", "arguments B", "temporaries B", "XLA peak B", "all-reduce", "reduce-scatter",
+                         "all-gather", "async", "compile s"], rows) + [""]
+    return lines
+
+
 def render(report: dict) -> str:
     """The whole report as markdown."""
     parts = report["parts"]
@@ -151,7 +176,7 @@ def render(report: dict) -> str:
              + ("DRY RUN on a CPU: tiny sizes, the numbers say nothing about a GPU." if report["mode"] == "dry" else
                 "One GPU, GPT-2 small (configs/gpt2_small.yaml)."), ""]
     lines += _env(parts.get("env")) + _tests(parts.get("tests")) + _throughput(parts.get("throughput"))
-    lines += _largest(parts.get("largest_batch")) + _exactness(parts.get("exactness"))
+    lines += _fsdp(parts.get("fsdp")) + _largest(parts.get("largest_batch")) + _exactness(parts.get("exactness"))
     lines += _cpu_bf16(parts.get("cpu_bf16_comm"))
     raw = {k: {kk: vv for kk, vv in v.items() if kk != "output_tail"} for k, v in parts.items()}
     lines += ["## Raw results", "", "```json", json.dumps({"plan": report["plan"], "parts": raw}, indent=1,

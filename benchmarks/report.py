@@ -95,6 +95,7 @@ def markdown(report: dict) -> str:
             out.append("")
             out += [f"- {n} devices failed: {e}" for n, e in s["errors"].items()]
     out += _zero_section(report.get("zero"))
+    out += _fsdp_section(report.get("fsdp"))
     return "\n".join(out) + "\n"
 
 
@@ -117,6 +118,19 @@ def _zero_section(z: dict | None) -> list[str]:
         out.append(f"| {r['devices']} | {r['layout']} | {r['params']:,} | {r['gradient']:,} | "
                    f"{r['optimizer_state']:,} | {r['bytes_per_param']:.2f} |")
     return out
+
+
+def _fsdp_section(f: dict | None) -> list[str]:
+    """Part 7: params, gradient and optimizer state sharded (FSDP) vs ZeRO-1 vs replicated."""
+    if not f:
+        return []
+    from benchmarks.fsdp import markdown as fsdp_markdown
+
+    out = ["", "## 7. Params sharded (FSDP) vs ZeRO-1 vs replicated", ""]
+    memory = f.get("memory", {})
+    if "rows" not in memory:
+        return out + [f"Memory table failed: {memory.get('error', 'no result')}"]
+    return out + fsdp_markdown(f, memory).splitlines()
 
 
 def plot(report: dict, path: str) -> str | None:

@@ -22,6 +22,9 @@ On CPU (2 fake CPU devices, fp32, Adam, global batch 256, MLP 784-1024-1024-10 u
    time, first-call (compile) time, bytes per device of params + grads + Adam state.
 6. The optimizer state sharded (ZeRO-1) vs replicated: step time (ratio), and bytes per device of
    params, gradient and optimizer state for N = 1, 2, 4, 8 (`benchmarks/zero.py`).
+7. Params, gradient and optimizer state sharded (FSDP) vs ZeRO-1 vs replicated: step time
+   (target: FSDP ≤ 1.3× replicated), and an 8-layer GPT's bytes per device, between steps and in
+   the compiled step, for N = 1, 2, 4, 8, remat off and on (`benchmarks/fsdp.py`).
 
 Contenders are timed in alternating windows (A, B, A, B, ...) with block_until_ready at the end
 of each window; the report gives medians and ratios, never absolute targets: this machine is
@@ -45,13 +48,15 @@ from dataclasses import dataclass
 
 from benchmarks.common import (BIG_MLP, GLOBAL_BATCH, Timer, interleave, mlp_batches, mlp_loss, mlp_params,
                                paired_ratio, param_count, ratio_spread, summary)
+from benchmarks.fsdp import bench_fsdp
 from benchmarks.zero import bench_zero
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 TARGETS = {"handwritten_over_jdp_shard_map": 0.97, "handwritten_over_jdp_pmap": 0.97,
-           "handwritten_pmap_over_jdp_pmap": 0.97, "ddp_over_jdp": 2.5, "train_loop_over_step": 0.95}
-PARTS = ("handwritten", "ddp", "train_loop", "accum", "scaling", "zero")
+           "handwritten_pmap_over_jdp_pmap": 0.97, "ddp_over_jdp": 2.5, "train_loop_over_step": 0.95,
+           "replicated_over_fsdp": 0.77}  # FSDP at most ~1.3x the replicated step
+PARTS = ("handwritten", "ddp", "train_loop", "accum", "scaling", "zero", "fsdp")
 ADAM_FP32_BYTES_PER_PARAM = 16  # params 4 + grads 4 + Adam m 4 + v 4 (fp32 on CPU)
 ADAMW_MIXED_BYTES_PER_PARAM = 16  # AdamW in mixed precision: fp32 master 4 + m 4 + v 4 + bf16 weights 2 + bf16 grads 2
 
@@ -442,6 +447,8 @@ def ratios_table(report: dict) -> list[dict]:
         "time per optimizer step, accum_sync every / last (M=4)")
     add("zero_sharded_over_replicated", report.get("zero", {}).get("ratio_sharded_over_replicated"),
         "step time with the optimizer state sharded (ZeRO-1) / replicated, Adam")
+    add("replicated_over_fsdp", report.get("fsdp", {}).get("ratio_replicated_over_fsdp"),
+        "replicated step time / FSDP (shard_params) step time, Adam (≥ 0.77: FSDP ≤ 1.3× replicated)")
     return rows
 
 
@@ -481,7 +488,8 @@ def main(argv=None) -> int:
     else:
         benches = {"handwritten": bench_handwritten, "ddp": bench_ddp, "train_loop": bench_train_loop,
                    "accum": bench_accum, "scaling": bench_scaling,
-                   "zero": lambda plan: bench_zero(plan.sizes, plan.steps, plan.repeats, log=log)}
+                   "zero": lambda plan: bench_zero(plan.sizes, plan.steps, plan.repeats, log=log),
+                   "fsdp": lambda plan: bench_fsdp(plan.sizes, plan.steps, plan.repeats, log=log, quick=args.quick)}
         for part in PARTS:
             if part in parts:
                 skip = part == "ddp" and args.skip_ddp

@@ -6,7 +6,7 @@ exactly the step one device would take on the whole global batch.
 The public API is what this module exports; everything else lives in its module (`jdp.reduce`,
 `jdp.layouts`, `jdp.algorithm`, `jdp.data`, `jdp.models`, `jdp.train`, ...).
 """
-from jdp import cpu, nnx, zero
+from jdp import cpu, fsdp, nnx, zero
 from jdp.comm import CommReport, comm_report
 from jdp.memory import MemoryReport, memory_report
 from jdp.mesh import DATA_AXIS, make_mesh
@@ -51,6 +51,7 @@ __all__ = [
     "cpu",
     "data",
     "exact_sum_spec",
+    "fsdp",
     "get_params",
     "linen",
     "make_mesh",

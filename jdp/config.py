@@ -37,8 +37,9 @@ from jdp.sections import ConfigError, field_docs, parse_override, quoted, read_y
 
 # Fields left out of `config_hash`: they may change between runs of the same training (so may
 # train.steps where the schedule does not use it: `run_identity`).
-HASH_EXCLUDED = ("data.eval_batch_size", "parallel.devices", "parallel.shard_optimizer_state", "train.log_every",
-                 "train.eval_every", "train.checkpoint_every", "train.keep_checkpoints", "train.max_nonfinite")
+HASH_EXCLUDED = ("data.eval_batch_size", "parallel.devices", "parallel.shard_optimizer_state", "parallel.shard_params",
+                 "train.log_every", "train.eval_every", "train.checkpoint_every", "train.keep_checkpoints",
+                 "train.max_nonfinite")
 # Fields that say where a run may start, not what it trains: left out of `run_identity` as well.
 PLACEMENT_ONLY = ("train.accelerator_only",)
 # Identity fields added after checkpoints already existed, with the value every earlier run had:
@@ -225,7 +226,8 @@ def _check_step_and_optimizer(config: Config) -> None:
     try:
         StepOptions(backend=p.backend, reduction=p.reduction, lr_correction=p.lr_correction,
                     accum_steps=p.accum_steps, accum_sync=p.accum_sync, precision=config.train.precision,
-                    reduce_dtype=p.reduce_dtype, shard_optimizer_state=p.shard_optimizer_state)
+                    reduce_dtype=p.reduce_dtype, shard_optimizer_state=p.shard_optimizer_state,
+                    shard_params=p.shard_params)
     except OptionError as e:
         raise ConfigError(f"{step_option_key(e.field)}: {e}") from None
     try:
@@ -246,8 +248,8 @@ def run_identity(config: Config) -> dict[str, dict[str, Any]]:
     A checkpoint stores it; resuming with a different identity is refused. Left out
     (HASH_EXCLUDED): train.log_every, eval_every, checkpoint_every, keep_checkpoints and
     data.eval_batch_size (what is logged, evaluated or saved when, not what is trained), and
-    parallel.devices and parallel.shard_optimizer_state (the device count and the layout may change
-    between runs: the step's result does not depend on them), and train.accelerator_only (PLACEMENT_ONLY: where a run may start, not what it trains).
+    parallel.devices, parallel.shard_optimizer_state and parallel.shard_params (the device count and
+    the layout may change between runs: the step's result does not depend on them), and train.accelerator_only (PLACEMENT_ONLY: where a run may start, not what it trains).
     train.steps counts only where the schedule uses it (`schedule_uses_steps`): otherwise the
     first S steps of a longer run are those of an S-step run, so more steps extend a run.
     Everything else counts, train.precision, parallel.reduce_dtype, model.attention and

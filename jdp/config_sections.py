@@ -173,12 +173,16 @@ class ParallelConfig(Section):
     """ZeRO-1 (backend shard_map): each device keeps 1/N of the optimizer state; the gradient is
     reduce-scattered and the new params all-gathered. The same step; checkpoints are the same as
     without it, so a run may resume with or without it."""
+    shard_params: bool = False
+    """Fully sharded data parallel (backend shard_map; implies shard_optimizer_state): each device
+    keeps 1/N of the params too, gathers them for each forward and backward pass and reduce-scatters
+    the gradient. The same step and the same checkpoints, so a run may resume with or without it."""
 
     _section: ClassVar[str] = "parallel"
     _rules: ClassVar[dict[str, Rule]] = dict(
         backend=one_of(BACKENDS), devices=or_null(POSITIVE_INT), reduction=one_of(REDUCTIONS),
         lr_correction=or_null(one_of(LR_CORRECTIONS)), accum_steps=POSITIVE_INT, accum_sync=one_of(ACCUM_SYNCS),
-        reduce_dtype=or_null(DTYPE), shard_optimizer_state=BOOL)
+        reduce_dtype=or_null(DTYPE), shard_optimizer_state=BOOL, shard_params=BOOL)
 
     def __post_init__(self):
         super().__post_init__()

@@ -126,6 +126,10 @@ def to_train_state(train_state: flax_train_state.TrainState, state: TrainState) 
     _check_train_state(train_state)
     if not isinstance(state, TrainState):
         raise ValueError(f"state must be the jdp state from jdp.linen.make_train_step, got {type(state).__name__}.")
+    if not state.stacked and not all(x.sharding.is_fully_replicated for x in jax.tree.leaves((state.params,
+                                     state.opt_state)) if isinstance(x, jax.Array)):
+        raise ValueError("state's optimizer state is sharded over the devices (shard_optimizer_state or shard_params "
+                         "True); pass train_step.canonical(state), which gathers it into the params' shapes.")
     opt_state = get_tree(state, state.opt_state)
     want = jax.tree.structure(jax.eval_shape(train_state.tx.init, train_state.params))
     if jax.tree.structure(opt_state) != want and isinstance(opt_state, optax.MultiStepsState):

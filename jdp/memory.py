@@ -18,35 +18,54 @@ class MemoryReport:
     """Bytes per device of one step's state, read from the arrays' shards (and XLA's analysis)."""
 
     devices: int
-    sharded: bool  # shard_optimizer_state
-    params: int
-    gradient: int  # the backward pass's gradient: whole on every device in both layouts
+    sharded: bool  # shard_optimizer_state (also true with shard_params)
+    params: int  # between steps: whole, or this device's slices (shard_params)
+    gradient: int  # the backward pass's gradient: whole on every device in every layout
     reduced_gradient: int  # after the reduction: the whole gradient, or this device's slice
     optimizer_state: int
     accumulator: int  # accum_sync="last": this device's gradient sums; "every": a few scalars
     compiled: dict | None = None  # XLA's memory analysis of the compiled step, bytes per device
+    params_sharded: bool = False  # shard_params: the params are kept in slices between steps
 
     @property
     def state(self) -> int:
         """Bytes of the state the step keeps between calls."""
         return self.params + self.optimizer_state + self.accumulator
 
+    @property
+    def allocated(self) -> int | None:
+        """The most bytes the compiled step holds on a device (with a batch): its arguments, its
+        outputs not aliased to donated arguments, and its temporaries (XLA's buffer assignment
+        reuses temporary space by liveness, so `temp` is already the temporaries' peak)."""
+        if not self.compiled:
+            return None
+        c = self.compiled
+        return c["argument"] + c["output"] - c["alias"] + c["temp"]
+
     def __str__(self) -> str:
-        layout = "optimizer state sharded" if self.sharded else "replicated"
+        layout = ("params, gradient and optimizer state sharded" if self.params_sharded
+                  else "optimizer state sharded" if self.sharded else "replicated")
         text = (f"{self.devices} device(s), {layout}: per device params {self.params:,} B, gradient "
                 f"{self.gradient:,} B (reduced: {self.reduced_gradient:,} B), optimizer state "
                 f"{self.optimizer_state:,} B, accumulator {self.accumulator:,} B")
         if self.compiled:
-            text += ", compiled step: " + ", ".join(f"{k} {v:,} B" for k, v in self.compiled.items())
+            text += (", compiled step: " + ", ".join(f"{k} {v:,} B" for k, v in self.compiled.items())
+                     + f" (allocates {self.allocated:,} B)")
         return text
 
 
 def memory_report(step, state, batch=None) -> MemoryReport:
     """Bytes per device of `state` (from `step.init`) for `step`; with `batch`, also XLA's memory
-    analysis of the compiled step (arguments, outputs, temporaries)."""
-    float_bytes = int(sum(np.prod(np.shape(x)[1:] if state.stacked else np.shape(x), dtype=np.int64) * x.dtype.itemsize
-                          for x in jax.tree.leaves(state.params) if np.issubdtype(x.dtype, np.inexact)))
+    analysis of the compiled step: arguments, outputs, the bytes of outputs aliased to donated
+    arguments, temporaries, and `peak` (XLA's own peak estimate; on CPU it leaves the
+    temporaries out, so `MemoryReport.allocated` is the figure to compare there)."""
     slices = getattr(step.layout, "slices", None)
+    # the params' own shapes: a sharded layout's slices know them (with shard_params the state holds flat slices)
+    shapes = (slices.leaves if slices is not None else
+              [jax.ShapeDtypeStruct(np.shape(x)[1:] if state.stacked else np.shape(x), x.dtype)
+               for x in jax.tree.leaves(state.params)])
+    float_bytes = int(sum(np.prod(x.shape, dtype=np.int64) * x.dtype.itemsize
+                          for x in shapes if np.issubdtype(x.dtype, np.inexact)))
     reduced = (float_bytes if slices is None else
                int(sum(c * leaf.dtype.itemsize for c, leaf in zip(slices.chunks, slices.leaves)
                        if np.issubdtype(leaf.dtype, np.inexact))))
@@ -54,8 +73,11 @@ def memory_report(step, state, batch=None) -> MemoryReport:
     if batch is not None:
         stats = step.lower(state, batch).compile().memory_analysis()
         compiled = None if stats is None else {name: int(getattr(stats, f"{name}_size_in_bytes"))
-                                               for name in ("argument", "output", "temp")}
+                                               for name in ("argument", "output", "alias", "temp")}
+        if compiled is not None:
+            compiled["peak"] = int(getattr(stats, "peak_memory_in_bytes", 0) or 0)
     return MemoryReport(devices=step.num_devices, sharded=slices is not None, params=bytes_on_one_device(state.params),
                         gradient=float_bytes, reduced_gradient=reduced,
                         optimizer_state=bytes_on_one_device(state.opt_state),
-                        accumulator=bytes_on_one_device(state.accum), compiled=compiled)
+                        accumulator=bytes_on_one_device(state.accum), compiled=compiled,
+                        params_sharded=bool(step.options.shard_params))

@@ -49,6 +49,7 @@ class StepOptions:
     shard_optimizer_state: bool = False  # ZeRO-1: each device keeps 1/N of the optimizer state
     axis_name: str = "data"  # the mesh axis the step binds; code that reduces over "batch" passes "batch"
     sync_batchnorm: bool = True  # model state out of the loss must agree on every device (checked)
+    shard_params: bool = False  # FSDP: 1/N of the params too; implies shard_optimizer_state
 
     def __post_init__(self):
         for field, choices in (("backend", BACKENDS), ("reduction", REDUCTIONS), ("accum_sync", ACCUM_SYNCS)):
@@ -57,9 +58,14 @@ class StepOptions:
         if not _is_int(self.accum_steps) or self.accum_steps < 1:
             raise OptionError("accum_steps", f"accum_steps={self.accum_steps!r} must be an integer of at least 1.")
         for field in ("has_aux", "needs_rng", "has_state", "skip_nonfinite", "grad_norm", "shard_optimizer_state",
-                      "sync_batchnorm"):
+                      "sync_batchnorm", "shard_params"):
             if not isinstance(getattr(self, field), (bool, np.bool_)):
                 raise OptionError(field, f"{field}={getattr(self, field)!r} must be True or False.")
+        if self.shard_params and self.backend != "shard_map":
+            raise OptionError("shard_params", f"shard_params=True needs backend='shard_map' (got {self.backend!r}): "
+                              f"pmap keeps a whole copy of the params on every device.")
+        if self.shard_params:  # the params' slices are updated by the optimizer state's slices
+            object.__setattr__(self, "shard_optimizer_state", True)
         if self.shard_optimizer_state and self.backend != "shard_map":
             raise OptionError("shard_optimizer_state", f"shard_optimizer_state=True needs backend='shard_map' "
                               f"(got {self.backend!r}): pmap keeps a whole copy of the state on every device.")

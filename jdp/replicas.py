@@ -25,11 +25,12 @@ def replica_mismatches(state) -> list[str]:
     """One line per leaf of `state` whose copies are not bit-identical on every local device.
 
     Compares raw bytes, so NaNs with equal bits count as equal and -0.0 differs from 0.0. The
-    gradient accumulator of accum_sync="last" is per-device by design and is not compared.
+    gradient accumulator of accum_sync="last" is per-device by design and is not compared, nor
+    are leaves split over the devices (shard_optimizer_state, shard_params): each slice has one copy.
     """
     problems = []
     for path, leaf in jax.tree_util.tree_leaves_with_path(state.replace(accum=None)):
-        if not isinstance(leaf, jax.Array):
+        if not isinstance(leaf, jax.Array) or not (state.stacked or leaf.sharding.is_fully_replicated):
             continue
         copies = _copies(leaf, state.stacked)
         ref_device, ref = copies[0]

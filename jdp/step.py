@@ -17,6 +17,7 @@ import numpy as np
 import optax
 from jdp.algorithm import Step, batch_rows, call_loss, device_step
 from jdp.cpu import RunAhead
+from jdp.fsdp import FullyShardedLayout, is_shard
 from jdp.layouts import LAYOUTS, UNSIZED, aux_shapes
 from jdp.mesh import DATA_AXIS, batch_sharded, make_mesh
 from jdp.model_state import check_agreement, check_structure, spread_over_devices
@@ -49,7 +50,8 @@ class TrainStep:
         self._given_optimizer = optimizer
         # accum_sync="last" sums per device; "every" (M > 1) sums reduced, replicated metrics.
         accum = "per_device" if o.local_accum else "replicated" if o.multi_steps else None
-        self.layout = (ShardedStateLayout(self.mesh, accum, self.optimizer) if o.shard_optimizer_state
+        self.layout = (FullyShardedLayout(self.mesh, accum, self.optimizer, o.precision) if o.shard_params
+                       else ShardedStateLayout(self.mesh, accum, self.optimizer) if o.shard_optimizer_state
                        else LAYOUTS[o.backend](self.mesh, accum))
         self._declared_loss = partial(call_loss, loss_fn, o)  # as loss_fn declares it, before any cast
         self._loss = in_precision(self._declared_loss, o.precision, o.mask_key)
@@ -113,10 +115,10 @@ class TrainStep:
         The agreement check runs the loss's forward pass once more on this batch, compiled once:
         about the cost of compiling the forward pass, on the first call only.
         """
-        one = jax.tree.map(lambda x: x[0], state) if state.stacked else state
-        if not jax.tree.leaves(one.model_state):
+        if not jax.tree.leaves(state.model_state):
             self._model_state_checked = True
             return
+        one = self.layout.canonical(state.replace(accum=None))  # one copy, params whole (FSDP keeps slices)
         batch = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), placed) if state.stacked else placed
         returned = aux_shapes(self._declared_loss, self.mesh, one.params, one.model_state,
                               self.layout.device_batch(placed), part=1)
@@ -214,7 +216,7 @@ def step_optimizer(optimizer, o: StepOptions, n: int) -> optax.GradientTransform
     correction, checked elementwise if its state is sharded, in optax.MultiSteps for "every"."""
     tx = for_reduction(optimizer, o.lr_correction, n, o.shard_optimizer_state, o.axis_name)
     if o.shard_optimizer_state:
-        check_elementwise(tx, o.axis_name)
+        check_elementwise(tx, o.axis_name, "shard_params" if o.shard_params else "shard_optimizer_state")
     return optax.MultiSteps(tx, every_k_schedule=o.accum_steps).gradient_transformation() if o.multi_steps else tx
 
 
@@ -262,8 +264,8 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation |
                     needs_rng: bool = False, has_state: bool = False, mask_key: str | None = "mask",
                     accum_steps: int = 1, accum_sync: str = "every", skip_nonfinite: bool = False,
                     grad_norm: bool = True, precision="float32", reduce_dtype=None,
-                    shard_optimizer_state: bool = False, axis_name: str = DATA_AXIS,
-                    sync_batchnorm: bool = True) -> TrainStep:
+                    shard_optimizer_state: bool = False, shard_params: bool = False,
+                    axis_name: str = DATA_AXIS, sync_batchnorm: bool = True) -> TrainStep:
     """Build a data-parallel training step.
 
     Args:
@@ -314,6 +316,12 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation |
         ring traffic as the all-reduce, the same step (`jdp.zero`). The optimizer must be
         elementwise (checked; global-norm clipping through `OptimizerSpec(clip_norm=...)` is
         exact). Checkpoints (`canonical`) are the same as the replicated layout's.
+      shard_params: fully sharded data parallel (ZeRO-3; shard_map only; implies
+        shard_optimizer_state): between steps each device keeps 1/N of every params leaf too. Each
+        call all-gathers the params (one all-gather per leaf) for the forward and backward pass,
+        reduce-scatters the gradient and updates this device's slice (`jdp.fsdp`): the same ring
+        traffic as the all-reduce per call, the same step. `jdp.get_params(state)` and
+        `canonical` give the params whole, in their shapes; checkpoints are the replicated ones.
       axis_name: the name of the mesh axis the step binds and reduces over (default "data"). Code
         that already reduces over its own axis, e.g. Flax's examples with `nn.BatchNorm(axis_name=
         'batch')` or `lax.pmean(x, 'batch')` inside the loss, runs unchanged with `axis_name='batch'`;
@@ -332,22 +340,25 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation |
                           needs_rng=needs_rng, has_state=has_state, mask_key=mask_key, accum_steps=accum_steps,
                           accum_sync=accum_sync, skip_nonfinite=skip_nonfinite, grad_norm=grad_norm,
                           precision=precision, reduce_dtype=reduce_dtype, shard_optimizer_state=shard_optimizer_state,
-                          axis_name=axis_name, sync_batchnorm=sync_batchnorm)
+                          shard_params=shard_params, axis_name=axis_name, sync_batchnorm=sync_batchnorm)
     return TrainStep(loss_fn, optimizer, options, devices)
 
 
 def get_params(state: TrainState):
-    """The params as a host numpy pytree with their original (unreplicated) shapes."""
+    """The params as a host numpy pytree with their original (unreplicated) shapes (gathered from
+    the devices' slices with shard_params)."""
     return get_tree(state, state.params)
 
 
 def get_tree(state: TrainState, tree):
     """Any part of `state` (e.g. `state.opt_state`) as host numpy, one copy, original shapes; a
-    sharded leaf (the optimizer state with shard_optimizer_state) whole, as the step holds it
-    (`step.canonical(state)` gives it the params' shapes)."""
+    sharded leaf of the optimizer state (shard_optimizer_state) whole, as the step holds it
+    (`step.canonical(state)` gives it the params' shapes); sharded params in their shapes."""
     def host(x):
+        if is_shard(x):
+            return x.whole()
         if state.stacked:
             return np.asarray(x.addressable_data(0))[0]
         return np.asarray(x.addressable_data(0) if x.sharding.is_fully_replicated else jax.device_get(x))
 
-    return jax.tree.map(host, tree)
+    return jax.tree.map(host, tree, is_leaf=is_shard)

@@ -135,7 +135,8 @@ def train(config: Config, workdir: str, *, devices=None, log=print, progress: bo
                            lr_correction=p.lr_correction, devices=devices, has_aux=True, needs_rng=True,
                            has_state=True, accum_steps=p.accum_steps, accum_sync=p.accum_sync,
                            skip_nonfinite=t.max_nonfinite > 0, precision=t.precision, reduce_dtype=p.reduce_dtype,
-                           shard_optimizer_state=p.shard_optimizer_state, sync_batchnorm=task.sync_batchnorm)
+                           shard_optimizer_state=p.shard_optimizer_state, shard_params=p.shard_params,
+                           sync_batchnorm=task.sync_batchnorm)
     # ... and on the data each builds (a file that differs between hosts): the training set decides
     # the batches, the held-out set how many evaluation batches reduce over the devices.
     agree({"train_examples": len(task.train), "test_examples": 0 if task.test is None else len(task.test)})

@@ -149,10 +149,14 @@ class ShardedStateLayout(ShardMapLayout):
         opt = jax.eval_shape(self.optimizer.init, slices.flat_struct())
         specs = optax.tree_map_params(self.optimizer, lambda _: P(self.axis), opt, transform_non_params=lambda _: P())
         self.slices, self._jitted = slices, None
-        self._specs = state_tree(P(), P(self.axis), self.accum).replace(opt_state=specs)
+        self._specs = self.state_specs(specs)
         self.state_shardings = jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), self._specs,
                                             is_leaf=lambda x: isinstance(x, P))
         return True
+
+    def state_specs(self, opt_specs) -> TrainState:
+        """The state's partition specs once the optimizer state's are known: params replicated."""
+        return state_tree(P(), P(self.axis), self.accum).replace(opt_state=opt_specs)
 
     def per_device(self, params):
         return params  # check_vma=False (see `compile`): the gradient is this device's own already
@@ -286,9 +290,11 @@ def _name(tx: optax.GradientTransformation) -> str:
     return f"optax.{name}" if hasattr(optax, name) else name
 
 
-def check_elementwise(tx: optax.GradientTransformation, axis: str = DATA_AXIS) -> None:
+def check_elementwise(tx: optax.GradientTransformation, axis: str = DATA_AXIS,
+                      option: str = "shard_optimizer_state") -> None:
     """Refuse, in one sentence naming its part, an optimizer whose update of a slice of the gradient
-    is not that slice of its update: a sharded optimizer state would change its step."""
+    is not that slice of its update: a sharded optimizer state would change its step. `option`
+    names the step option that shards it (shard_optimizer_state, or shard_params)."""
     if _probe_elementwise(tx, axis):
         return
     culprit = tx
@@ -297,7 +303,7 @@ def check_elementwise(tx: optax.GradientTransformation, axis: str = DATA_AXIS) -
         if not failing:
             break
         culprit = failing[0]
-    raise ValueError(f"shard_optimizer_state=True needs an optimizer that updates each parameter element from "
+    raise ValueError(f"{option}=True needs an optimizer that updates each parameter element from "
                      f"its own gradient element, and {_name(culprit)} does not (its update of a slice of the "
                      f"gradient differs from that slice of its update), so the sharded step would differ from "
                      f"the replicated one; clip with jdp.OptimizerSpec(clip_norm=...) or "

@@ -61,9 +61,18 @@ def test_quick_run_writes_a_complete_report(tmp_path):
             assert memory[(n, "sharded")] == pytest.approx(8 + 8 / n, abs=0.01)
     assert "## 6. Optimizer state sharded (ZeRO-1)" in (tmp_path / "report.md").read_text()
 
+    f = report["fsdp"]
+    assert f["ratio_replicated_over_fsdp"] > 0 and "reduce-scatter" in f["comm_fsdp"]
+    rows = {(r["devices"], r["layout"]): r for r in f["memory"]["rows"]}
+    # the GPT's state between steps: Adam in float32 keeps 12 bytes per param, FSDP (4 + 8)/N of them
+    assert rows[(1, "replicated")]["state_bytes_per_param"] == pytest.approx(12.0, abs=0.01)
+    assert rows[(2, "fsdp")]["state_bytes_per_param"] == pytest.approx(6.0, abs=0.05)
+    assert rows[(2, "fsdp")]["allocated"] < rows[(2, "replicated")]["allocated"]
+    assert "## 7. Params sharded (FSDP)" in (tmp_path / "report.md").read_text()
+
     names = {r["ratio"] for r in report["ratios"]}
     assert {"handwritten_over_jdp_shard_map", "handwritten_over_jdp_pmap", "train_loop_over_step",
-            "accum_every_over_last", "zero_sharded_over_replicated"} <= names
+            "accum_every_over_last", "zero_sharded_over_replicated", "replicated_over_fsdp"} <= names
     assert all(r["value"] > 0 for r in report["ratios"])
 
 
@@ -136,7 +145,10 @@ def test_gpu_check_dry_run_writes_one_report(tmp_path):
     assert text.startswith("# jdp GPU check (dry)") and "DRY RUN on a CPU" in text
     parts = json.loads(text.split("```json\n")[1].split("\n```")[0])["parts"]
     assert {k: p["status"] for k, p in parts.items()} == dict.fromkeys(
-        ("env", "exactness", "throughput", "tests", "largest_batch", "cpu_bf16_comm"), "ok")
+        ("env", "exactness", "throughput", "tests", "fsdp", "largest_batch", "cpu_bf16_comm"), "ok")
+    fsdp = parts["fsdp"]["result"]["runs"]["2"]["fsdp"]  # compiled for 2 fake CPU devices
+    assert fsdp["collectives"]["reduce-scatter"]["count"] == 1 and fsdp["collectives"]["all-gather"]["count"] > 1
+    assert "## (e) Replicated / ZeRO-1 / FSDP" in text
     assert parts["env"]["result"]["backend"] == "cpu" and len(parts["env"]["result"]["devices"]) == 1
     files = parts["tests"]["result"]["files"]
     assert files and all(f["passed"] > 0 and not f.get("failed") and not f.get("error") for f in files)

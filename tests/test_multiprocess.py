@@ -116,6 +116,20 @@ def test_two_processes_with_the_optimizer_state_sharded_equal_one(tmp_path, one_
         np.testing.assert_allclose(a, b, atol=2e-6)
 
 
+def test_two_processes_with_params_sharded_equal_one(tmp_path, one_process):
+    # FSDP through the CLI: each of the 4 devices (2 per process) keeps a quarter of every params
+    # leaf and of Adam's moments; the checkpoint holds the params whole, as a replicated run's.
+    work = tmp_path / "fsdp"
+    for code, out, err in finish(launch(work, 6, extra=["--set", "parallel.shard_params=true"])):
+        assert code == 0, err[-2000:]
+    np.testing.assert_allclose(list(losses(work).values()), list(losses(one_process).values()), rtol=1e-6)
+    (s_fsdp, p_fsdp), (s_one, p_one) = latest_params(work), latest_params(one_process)
+    assert s_fsdp == s_one == 6
+    for a, b in zip(flat(p_fsdp), flat(p_one)):
+        assert a.shape == b.shape
+        np.testing.assert_allclose(a, b, atol=2e-6)
+
+
 def test_sigterm_on_one_process_stops_all_at_one_step_and_resumes(tmp_path):
     work = tmp_path / "pre"
     procs = launch(work, 2000)
