@@ -28,31 +28,58 @@ assert PLATFORM or jax.device_count() == 8, "tests need 8 fake CPU devices; XLA_
 
 import pytest  # noqa: E402
 
-# The quick tier (`pytest -m quick`, ~2 min): every public path once. Both backends, mean and sum
-# with each correction, both accumulation modes, model state and masks, the step's guards, the
-# seed numbers, jdp.nnx and Linen, configs, data order, the CLI with one resume, one
-# multi-process run. Whole files where they are cheap; one test where a file is slow.
+# The quick tier (`pytest -m quick`, about 1 min cold on a quiet 2-core machine): every public path
+# once, one representative per path rather than whole parametrized files. Both backends, mean and
+# sum with each correction, both accumulation modes, model state and masks, the step's guards, the
+# seed numbers, mixed precision, ZeRO-1 and FSDP, models, jdp.nnx and Linen, configs, data and its
+# order, the trainer with one resume, the CLI with one resume, one multi-process run, the docs'
+# files and schema. An entry is a file, a test, or one parametrized case of a test (`name[id]`).
 QUICK = (
-    "test_seeds.py", "test_traps.py", "test_step_rules.py", "test_scale_visible.py", "test_sum_metrics.py",
-    "test_state_and_mask.py", "test_faults_api.py", "test_replicas.py", "test_train_reference.py",
-    "test_config.py", "test_data.py", "test_data_order.py", "test_drop_last_divisible.py", "test_faults_input.py",
-    "test_nnx.py", "test_mutants.py",
-    "test_precision.py::test_bf16_reduce_dtype_halves_the_allreduce_bytes",
+    "test_seeds.py", "test_config.py", "test_data.py", "test_data_order.py", "test_drop_last_divisible.py",
+    "test_faults_input.py", "test_mutants.py", "test_replicas.py",
+    "test_traps.py::test_shard_map_check_vma_grad_is_local_then_averaged",
+    "test_traps.py::test_pmap_with_empty_optimizer_state[4]",
+    "test_step_rules.py::test_non_scalar_aux_is_refused_with_its_path_and_shape",
+    "test_step_rules.py::test_options_are_one_validated_value",
+    "test_step_rules.py::test_every_and_last_report_the_whole_step[pmap]",
+    "test_scale_visible.py::test_the_clip_threshold_engages_on_some_steps_only",
+    "test_scale_visible.py::test_scale_visible_equivalence[momentum-d2-m2-every-shard_map]",
+    "test_scale_visible.py::test_scale_visible_equivalence[adamw_eps_clip-d4-m2-last-pmap]",
+    "test_sum_metrics.py::test_sum_reports_means_for_every_correction[none-shard_map]",
+    "test_sum_metrics.py::test_sum_reports_means_for_every_correction[auto-pmap]",
+    "test_sum_metrics.py::test_sum_reports_means_for_every_correction[exact-shard_map]",
+    "test_state_and_mask.py::test_padded_batch_equals_its_real_examples[2-last-shard_map]",
+    "test_state_and_mask.py::test_model_state_is_carried_and_averaged[2-every-pmap]",
+    "test_state_and_mask.py::test_model_state_contract_is_checked",
+    "test_state_and_mask.py::test_new_model_state_of_another_structure_is_refused_at_the_first_call[nest]",
+    "test_faults_api.py::test_reusing_a_donated_state_raises_instead_of_crashing",
+    "test_faults_api.py::test_empty_batch_is_refused", "test_faults_api.py::test_all_padding_batch_is_refused",
+    "test_faults_api.py::test_devices_as_ids_are_accepted_and_bad_ones_refused",
+    "test_faults_api.py::test_finite_gradient_that_makes_params_nan_is_skipped[accum2]",
+    "test_faults_api.py::test_an_integer_leaf_in_params_is_named_with_where_it_belongs",
+    "test_faults_api.py::test_an_optimizer_that_needs_the_loss_as_value_is_refused_in_one_sentence",
+    "test_faults_api.py::test_restoring_another_optimizers_checkpoint_names_the_structure_and_keeps_it",
+    "test_train_reference.py",
+    "test_nnx.py::test_bad_input_is_one_sentence",
+    "test_nnx.py::test_step_works_with_jdps_tools_and_hands_back_to_nnx_optimizer",
+    "test_nnx.py::test_your_model_through_the_trainer_resumes_bit_exactly",
+    "test_precision.py::test_bf16_reduce_dtype_halves_the_allreduce_bytes[last]",
     "test_precision.py::test_bad_dtypes_are_refused_in_one_sentence",
-    "test_nonfinite.py::test_nan_batch_is_skipped_and_counted",
-    "test_model_dp.py::test_cnn_sync_batchnorm_equals_one_device_and_local_does_not",
+    "test_nonfinite.py::test_nan_batch_is_skipped_and_counted[1-every-shard_map]",
+    "test_model_dp.py::test_cnn_sync_batchnorm_equals_one_device_and_local_does_not[pmap]",
     "test_model_precision.py::test_bad_dtype_is_a_one_sentence_error_naming_it",
     "test_model_precision.py::test_cnn_bf16_train_call_keeps_batch_stats_float32",
     "test_model_precision.py::test_remat_is_in_the_jaxpr_and_fused_attention_builds_no_mask",
-    "test_linen.py::test_one_sentence_errors", "test_linen.py::test_bridge_equals_the_linen_loop_and_hands_back",
+    "test_linen.py::test_one_sentence_errors",
+    "test_linen.py::test_bridge_equals_the_linen_loop_and_hands_back[shard_map-adam-2-last-2]",
     "test_linen.py::test_batchnorm_mistakes_are_one_sentence",
     "test_cli.py::test_train_logs_checkpoints_plots_and_resumes",
     "test_multiprocess.py::test_two_processes_equal_one",
-    "test_workdir_files.py::test_a_symlinked_file_in_the_workdir_is_refused_and_its_target_untouched",
+    "test_workdir_files.py::test_a_symlinked_file_in_the_workdir_is_refused_and_its_target_untouched[.jdp-lock-the lock file]",
     "test_workdir_files.py::test_rotation_deletes_only_checkpoints_jdp_provably_wrote",
     "test_precision_train.py::test_bad_values_are_one_sentence_naming_the_key",
     "test_precision_train.py::test_resume_with_another_precision_is_refused_and_the_checkpoint_kept",
-    "test_zero.py::test_accumulation_and_psum_variant", "test_zero.py::test_refusals_name_the_problem",
+    "test_zero.py::test_accumulation_and_psum_variant[last-sum-exact]", "test_zero.py::test_refusals_name_the_problem",
     "test_zero.py::test_config_key_and_its_refusal",
     "test_docs.py::test_every_file_the_pages_name_exists",
     "test_docs.py::test_config_reference_names_every_field_with_its_rule",
@@ -62,15 +89,33 @@ QUICK = (
 )
 
 
+def _cases(function):
+    """How many parametrized cases a test function defines (the product over its parametrize marks)."""
+    count = 1
+    for mark in getattr(function, "pytestmark", []):
+        if mark.name == "parametrize":
+            count *= len(mark.args[1])
+    return count
+
+
 def pytest_collection_modifyitems(config, items):
     """Mark the quick tier; an entry of QUICK naming a test its file does not define is an error
-    (checked against the file's module, so that running a single test id never trips it)."""
+    (checked against the file's module, so that running a single test id never trips it; a
+    parametrized case is checked when every case of its test was collected)."""
     modules = {item.path.name: item.module for item in items if getattr(item, "module", None) is not None}
+    collected = {}
     for item in items:
         node = f"{item.path.name}::{item.originalname}"
-        if any(entry in (item.path.name, node) for entry in QUICK):
+        collected.setdefault(node, set()).add(f"{item.path.name}::{item.name}")
+        if any(entry in (item.path.name, node, f"{item.path.name}::{item.name}") for entry in QUICK):
             item.add_marker(pytest.mark.quick)
-    stale = [e for e in QUICK if "::" in e and e.split("::")[0] in modules
-             and not hasattr(modules[e.split("::")[0]], e.split("::")[1])]
+    stale = []
+    for entry in (e for e in QUICK if "::" in e and e.split("::")[0] in modules):
+        file, name = entry.split("::")
+        function = getattr(modules[file], name.split("[")[0], None)
+        node = f"{file}::{name.split('[')[0]}"
+        if function is None or ("[" in name and len(collected.get(node, ())) == _cases(function)
+                                and entry not in collected[node]):
+            stale.append(entry)
     if stale:
         raise pytest.UsageError(f"tests/conftest.py QUICK names tests that do not exist: {stale}")
