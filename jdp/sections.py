@@ -80,6 +80,7 @@ BOOL = Rule("true or false")
 WIDTHS = Rule("a list of positive integers", lambda v: all(w >= 1 for w in v))
 TWO_WIDTHS = Rule("a list of two positive integers", lambda v: len(v) == 2 and all(w >= 1 for w in v))
 NPZ = Rule("the path of a .npz file", lambda v: v.lower().endswith(".npz"))
+PATH = Rule("a file path", lambda v: bool(v))
 
 _BAD = object()  # _coerce's "wrong type"
 # YAML 1.1 reads 3e-4 as a string; these are the numbers it misses (YAML 1.2's float syntax).

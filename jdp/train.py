@@ -114,10 +114,12 @@ def train(config: Config, workdir: str, *, devices=None, log=print, progress: bo
     # Every process must be about to run the same thing (config, data, length) before any step.
     agree({"config": config_hash(config), "train_examples": len(task.train), "steps": t.steps,
            "devices": len(devices)})
-    batches = make_batches(task.train, config.data.batch_size, seed=t.seed, drop_last=config.data.drop_last,
-                           process_index=jax.process_index(), num_processes=jax.process_count())
+    d = config.data
+    batches = make_batches(task.train, d.batch_size, seed=t.seed, drop_last=d.drop_last, threads=d.threads,
+                           workers=d.workers, transform=task.transform, process_index=jax.process_index(),
+                           num_processes=jax.process_count())
     state = step.init(task.params, task.model_state, seed=t.seed)
-    run = {"identity": with_data_digest(run_identity(config), task.train.arrays), "config": config.to_dict(),
+    run = {"identity": with_data_digest(run_identity(config), task.train), "config": config.to_dict(),
            "devices": len(devices)}
     eval_step = make_eval_step(task.metric_fn, step.mesh) if task.test is not None else None
 
