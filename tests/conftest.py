@@ -51,6 +51,9 @@ QUICK = (
     "test_precision_train.py::test_resume_with_another_precision_is_refused_and_the_checkpoint_kept",
     "test_zero.py::test_accumulation_and_psum_variant", "test_zero.py::test_refusals_name_the_problem",
     "test_zero.py::test_config_key_and_its_refusal",
+    "test_data_sources.py::test_a_mid_epoch_state_resumes_exactly",
+    "test_data_sources.py::test_a_random_transform_is_seeded_from_seed_epoch_and_index",
+    "test_tokens_train.py::test_a_bad_token_config_exits_2",
 )
 
 
