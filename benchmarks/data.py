@@ -1,9 +1,10 @@
 """Part 7 of `python -m benchmarks.run`: the input pipeline against the step it feeds, and its memory.
 
 - Loader batches/s (this process's batch, prefetch off, one thread: the loader's own cost) for
-  the char GPT's batches read from a token file (global batch 64 windows of 64 tokens) and from a
-  transform-heavy grain source (a per-example augmentation in Python, see `heavy`), the latter
-  also with 2 threads and with 2 grain worker processes; against the char GPT's compiled step
+  the char GPT's batches read from a token file (global batch 64 windows of 64 tokens), for 64
+  32×32 uint8 images from a grain MapDataset and from an ArrayRecord file, and from the grain
+  source with a transform-heavy per-example augmentation in Python (`heavy`), the latter also
+  with 2 threads and with 2 grain worker processes; against the char GPT's compiled step
   (configs/char_gpt.yaml's model) on 2 fake CPU devices. Target: loader ≥ 5× the step.
 - Anonymous memory (RssAnon, from /proc/self/status) of a fresh process that opens a token file
   and reads batches from it, for a 10 MB and a 1 GB file (sparse files in a temporary directory:
@@ -134,7 +135,7 @@ def memory(sizes: dict[str, int], count: int) -> dict:
 
 def bench_data(quick: bool, log=print) -> dict:
     """Part 7: loader batches/s (token file, transform-heavy source; threads, workers) vs the char GPT step."""
-    from jdp.data import load_tokens, make_batches
+    from jdp.data import load_array_record, load_tokens, make_batches, write_array_record
 
     count, steps = (50, 10) if quick else (150, 40)
     with tempfile.TemporaryDirectory() as tmp:
@@ -142,7 +143,12 @@ def bench_data(quick: bool, log=print) -> dict:
                        check=True, capture_output=True, timeout=120)
         tokens = load_tokens(os.path.join(tmp, "train.bin"), context_length=CONTEXT, vocab_size=256)
         rates = {"tokens": batches_per_s(lambda: make_batches(tokens, BATCH, prefetch=0), count * 4)}
+        records = os.path.join(tmp, "images.array_record")
+        write_array_record(records, (image_source()[i] for i in range(1024)))
+        rates["array_record"] = batches_per_s(lambda: make_batches(load_array_record(records), BATCH, prefetch=0),
+                                              count)
     source = image_source()
+    rates["grain_source"] = batches_per_s(lambda: make_batches(source, BATCH, prefetch=0), count)
     settings = {"transform_inline": dict(prefetch=0), "transform_2_threads": dict(prefetch=4, threads=2),
                 "transform_2_workers": dict(prefetch=4, workers=2)}
     rounds = {name: [] for name in settings}

@@ -137,3 +137,23 @@ def test_two_processes_on_a_token_file_equal_one(tmp_path, files):
     assert s_two == s_one == 6
     for a, b in zip(leaves(p_two), leaves(p_one)):
         np.testing.assert_allclose(a, b, atol=2e-6)
+
+
+def test_prepare_tokens_writes_byte_tokens_split_as_the_char_corpus(tmp_path):
+    from jdp.data import load_char_corpus
+
+    r = run([sys.executable, "examples/prepare_tokens.py", "--out", str(tmp_path / "ref")], timeout=120)
+    assert r.returncode == 0, r.stderr
+    corpus = load_char_corpus()
+    train, val = (np.fromfile(tmp_path / "ref" / f"{n}.bin", np.uint16) for n in ("train", "val"))
+    assert bytes(train.astype(np.uint8)).decode("utf-8") == corpus.decode(corpus.train)
+    assert bytes(val.astype(np.uint8)).decode("utf-8") == corpus.decode(corpus.val)
+    assert f"train.bin: {len(train):,} tokens ({len(corpus.train):,} characters)" in r.stdout
+    (tmp_path / "mine.txt").write_text("héllo wörld\n" * 50, encoding="utf-8")
+    r = run([sys.executable, "examples/prepare_tokens.py", "--text", str(tmp_path / "mine.txt"), "--out",
+             str(tmp_path / "mine"), "--val-fraction", "0.5"], timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert np.fromfile(tmp_path / "mine" / "val.bin", np.uint16).tobytes()[::2].decode() == "héllo wörld\n" * 25
+    r = run([sys.executable, "examples/prepare_tokens.py", "--out", str(tmp_path / "x"), "--val-fraction", "1"],
+            timeout=120)
+    assert r.returncode == 2 and "--val-fraction 1.0 must be strictly between 0 and 1" in r.stderr
