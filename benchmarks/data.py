@@ -151,14 +151,14 @@ def bench_data(quick: bool, log=print) -> dict:
     rates["grain_source"] = batches_per_s(lambda: make_batches(source, BATCH, prefetch=0), count)
     settings = {"transform_inline": dict(prefetch=0), "transform_2_threads": dict(prefetch=4, threads=2),
                 "transform_2_workers": dict(prefetch=4, workers=2)}
-    rounds = {name: [] for name in settings}
-    for r in range(3):  # alternating rounds: the machine's load changes between them
+    rounds, repeats = {name: [] for name in settings}, 3 if quick else 5
+    for r in range(repeats):  # alternating rounds: the machine's load changes between them
         for name, kw in settings.items():
             # A worker holds up to 2·prefetch batches (its own prefetch and grain's buffer): read them all first.
             ahead = 2 * kw["prefetch"] * max(1, kw.get("workers", 1))
             rounds[name].append(batches_per_s(lambda kw=kw: make_batches(source, BATCH, transform=heavy, **kw),
                                               2 * count, ahead))
-        log(f"  part 7: round {r + 1}/3, loader batches/s: " + ", ".join(f"{n} {v[-1]:,.1f}" for n, v in rounds.items()))
+        log(f"  part 7: round {r + 1}/{repeats}, loader batches/s: " + ", ".join(f"{n} {v[-1]:,.1f}" for n, v in rounds.items()))
     rates |= {name: float(np.median(v)) for name, v in rounds.items()}
     step_rate = char_gpt_steps_per_s(steps)
     log(f"  part 7: char GPT step on 2 devices: {step_rate:,.1f} steps/s; token loader {rates['tokens']:,.0f} batches/s")

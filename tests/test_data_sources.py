@@ -4,6 +4,7 @@ For each: the global batch does not depend on the process count, a mid-epoch sta
 exactly, transforms are seeded from (seed, epoch, index), and bad items are named by index and key.
 """
 import json
+import re
 
 import grain
 import numpy as np
@@ -230,6 +231,23 @@ def test_array_record_reads_the_file_the_test_wrote(record_file):
     batch = next(make_batches(source, 10, seed=0, prefetch=0))
     np.testing.assert_array_equal(batch["x"][:, 0], batch["id"])
     assert source.digest() == load_array_record([record_file]).digest()
+
+
+def test_array_record_takes_your_decode_for_records_of_another_format(tmp_path):
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    path = str(tmp_path / "json.array_record")
+    writer = ArrayRecordWriter(path, "group_size:1")
+    for i in range(12):
+        writer.write(json.dumps({"v": [i, i + 1]}).encode())
+    writer.close()
+    source = load_array_record(path, decode=lambda r: {"v": np.asarray(json.loads(r)["v"], np.int32)})
+    np.testing.assert_array_equal(source[5]["v"], [5, 6])
+    message = "a record starts with b'{\"v\"', not jdp's b'JDP1': it was not written by write_array_record"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_array_record(path)
+    with pytest.raises(ValueError, match=r"no such ArrayRecord file: .*missing"):
+        load_array_record(tmp_path / "missing")
 
 
 @pytest.mark.parametrize("make, message", [

@@ -2,13 +2,15 @@
 `pip install 'jdp[arrayrecord]'`; grain installs it too on Linux).
 
 An ArrayRecord file holds records of bytes with an index, so record i is read without reading the
-others. jdp's records are examples encoded by `encode_example` (numpy's `.npz` format,
-uncompressed, read back with `allow_pickle=False`); records in another format (a `tf.train.Example`,
-msgpack) are read with your own `decode(bytes) -> {key: array}`.
+others. jdp's records are examples encoded by `encode_example`: the 4 bytes `JDP1`, a 4-byte
+little-endian header length, a JSON header `[[key, dtype, shape], ...]`, then each array's bytes in
+C order (no pickles; decoding is `np.frombuffer`, ~10x faster than numpy's `.npz` through
+zipfile). Records in another format (a `tf.train.Example`, msgpack) are read with your own
+`decode(bytes) -> {key: array}`.
 """
 from __future__ import annotations
 
-import io
+import json
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
@@ -20,17 +22,32 @@ from jdp.sections import quoted
 INSTALL = "pip install 'jdp[arrayrecord]' (the array-record package)"
 
 
+_MAGIC = b"JDP1"
+
+
 def encode_example(example: Mapping[str, np.ndarray]) -> bytes:
-    """One example `{key: array}` as bytes: numpy's uncompressed `.npz` format (no pickles)."""
-    buffer = io.BytesIO()
-    np.savez(buffer, **{str(k): np.asarray(v) for k, v in example.items()})
-    return buffer.getvalue()
+    """One example `{key: array}` as bytes (see the module's docstring for the format)."""
+    arrays = {str(k): np.asarray(v) for k, v in example.items()}  # tobytes() writes C order
+    for k, a in arrays.items():
+        if a.dtype.hasobject:
+            raise ValueError(f"example key {k!r} has dtype object; records hold numeric or bool arrays.")
+    header = json.dumps([[k, a.dtype.str, list(a.shape)] for k, a in arrays.items()]).encode()
+    return b"".join([_MAGIC, len(header).to_bytes(4, "little"), header, *(a.tobytes() for a in arrays.values())])
 
 
 def decode_example(record: bytes) -> dict[str, np.ndarray]:
-    """The example `encode_example` wrote: `{key: array}` (read with `allow_pickle=False`)."""
-    with np.load(io.BytesIO(record), allow_pickle=False) as npz:
-        return {k: npz[k] for k in npz.files}
+    """The example `encode_example` wrote: `{key: array}` (read-only views of `record`)."""
+    if record[:4] != _MAGIC:
+        raise ValueError(f"a record starts with {bytes(record[:4])!r}, not jdp's {_MAGIC!r}: it was not written by "
+                         f"write_array_record; pass load_array_record(..., decode=) for its format.")
+    size = int.from_bytes(record[4:8], "little")
+    offset, out = 8 + size, {}
+    for key, dtype, shape in json.loads(record[8:offset]):
+        dtype = np.dtype(dtype)
+        count = int(np.prod(shape, dtype=np.int64))
+        out[key] = np.frombuffer(record, dtype, count, offset).reshape(tuple(shape))
+        offset += count * dtype.itemsize
+    return out
 
 
 def _module(name: str):
