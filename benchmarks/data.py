@@ -1,7 +1,8 @@
 """Part 7 of `python -m benchmarks.run`: the input pipeline against the step it feeds, and its memory.
 
 - Loader batches/s (this process's batch, prefetch off, one thread: the loader's own cost) for
-  the char GPT's batches read from a token file (global batch 64 windows of 64 tokens), for 64
+  the char GPT's batches read from a token file (global batch 64 windows of 64 tokens) and from
+  its in-memory character windows (an ArrayDataset), for 64
   32×32 uint8 images from a grain MapDataset and from an ArrayRecord file, and from the grain
   source with a transform-heavy per-example augmentation in Python (`heavy`), the latter also
   with 2 threads and with 2 grain worker processes; against the char GPT's compiled step
@@ -135,7 +136,8 @@ def memory(sizes: dict[str, int], count: int) -> dict:
 
 def bench_data(quick: bool, log=print) -> dict:
     """Part 7: loader batches/s (token file, transform-heavy source; threads, workers) vs the char GPT step."""
-    from jdp.data import load_array_record, load_tokens, make_batches, write_array_record
+    from jdp.data import (char_windows, load_array_record, load_char_corpus, load_tokens, make_batches,
+                          write_array_record)
 
     count, steps = (50, 10) if quick else (150, 40)
     with tempfile.TemporaryDirectory() as tmp:
@@ -143,6 +145,9 @@ def bench_data(quick: bool, log=print) -> dict:
                        check=True, capture_output=True, timeout=120)
         tokens = load_tokens(os.path.join(tmp, "train.bin"), context_length=CONTEXT, vocab_size=256)
         rates = {"tokens": batches_per_s(lambda: make_batches(tokens, BATCH, prefetch=0), count * 4)}
+        corpus = load_char_corpus()  # configs/char_gpt.yaml's in-memory windows, for comparison
+        windows = char_windows(corpus.train, CONTEXT, stride=CONTEXT // 2)
+        rates["arrays"] = batches_per_s(lambda: make_batches(windows, BATCH, prefetch=0), count * 4)
         records = os.path.join(tmp, "images.array_record")
         write_array_record(records, (image_source()[i] for i in range(1024)))
         rates["array_record"] = batches_per_s(lambda: make_batches(load_array_record(records), BATCH, prefetch=0),
@@ -158,14 +163,17 @@ def bench_data(quick: bool, log=print) -> dict:
             ahead = 2 * kw["prefetch"] * max(1, kw.get("workers", 1))
             rounds[name].append(batches_per_s(lambda kw=kw: make_batches(source, BATCH, transform=heavy, **kw),
                                               2 * count, ahead))
-        log(f"  part 7: round {r + 1}/{repeats}, loader batches/s: " + ", ".join(f"{n} {v[-1]:,.1f}" for n, v in rounds.items()))
+        log(f"  part 7: round {r + 1}/{repeats}, loader batches/s: "
+            + ", ".join(f"{n} {v[-1]:,.1f}" for n, v in rounds.items()))
     rates |= {name: float(np.median(v)) for name, v in rounds.items()}
     step_rate = char_gpt_steps_per_s(steps)
-    log(f"  part 7: char GPT step on 2 devices: {step_rate:,.1f} steps/s; token loader {rates['tokens']:,.0f} batches/s")
+    log(f"  part 7: char GPT step on 2 devices: {step_rate:,.1f} steps/s; token loader {rates['tokens']:,.0f} "
+        f"batches/s")
     mem = memory({"10MB": 10 * 2**20, "1GB": 2**30}, count * 4)
     for name, m in mem.items():
         log(f"  part 7: {name} token file: RssAnon {m['after_open'] / 2**20:.1f} MiB after opening, "
-            f"{m['after_batches'] / 2**20:.1f} MiB after {m['batches']} batches (VmRSS {m['vmrss_after_batches'] / 2**20:.1f} MiB)")
+            f"{m['after_batches'] / 2**20:.1f} MiB after {m['batches']} batches "
+            f"(VmRSS {m['vmrss_after_batches'] / 2**20:.1f} MiB)")
     return {"global_batch": BATCH, "context": CONTEXT, "batches_timed": count, "loader_batches_per_s": rates,
             "char_gpt_steps_per_s_2_devices": step_rate,
             "ratio_loader_tokens_over_step": rates["tokens"] / step_rate,

@@ -16,7 +16,7 @@ same split; nothing downloads.
 
 It prints the token counts and the files written, e.g. for the default text on Python 3.11.7:
 
-    train.bin: 419,604 tokens (418,543 characters); val.bin: 46,591 tokens (46,505 characters); vocab_size 256 -> runs/pyref_tokens
+    train.bin: 419,604 tokens (418,543 characters); val.bin: 46,591 tokens (46,505 characters); vocab_size 256 ...
 """
 import argparse
 import os

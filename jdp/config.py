@@ -37,7 +37,8 @@ from jdp.sections import ConfigError, field_docs, parse_override, quoted, read_y
 
 # Fields left out of `config_hash`: they may change between runs of the same training (so may
 # train.steps where the schedule does not use it: `run_identity`).
-HASH_EXCLUDED = ("data.eval_batch_size", "data.val_path", "data.threads", "data.workers", "parallel.devices", "parallel.shard_optimizer_state", "train.log_every",
+HASH_EXCLUDED = ("data.eval_batch_size", "data.val_path", "data.threads", "data.workers", "parallel.devices",
+                 "parallel.shard_optimizer_state", "train.log_every",
                  "train.eval_every", "train.checkpoint_every", "train.keep_checkpoints", "train.max_nonfinite")
 # Fields that say where a run may start, not what it trains: left out of `run_identity` as well.
 PLACEMENT_ONLY = ("train.accelerator_only",)

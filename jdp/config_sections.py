@@ -120,7 +120,8 @@ class DataConfig(Section):
     _section: ClassVar[str] = "data"
     _rules: ClassVar[dict[str, Rule]] = dict(
         name=one_of(DATASETS), path=or_null(PATH), val_path=or_null(PATH), dtype=one_of(TOKEN_DTYPES),
-        vocab_size=or_null(POSITIVE_INT), seed_example=Rule(" or ".join(map(str, SEED_REGRESSIONS)), lambda v: v in SEED_REGRESSIONS),
+        vocab_size=or_null(POSITIVE_INT),
+        seed_example=Rule(" or ".join(map(str, SEED_REGRESSIONS)), lambda v: v in SEED_REGRESSIONS),
         batch_size=POSITIVE_INT, eval_batch_size=POSITIVE_INT, drop_last=BOOL, test_fraction=FRACTION,
         threads=POSITIVE_INT, workers=COUNT)
 
