@@ -293,11 +293,14 @@ def test_a_token_id_outside_the_sample_is_refused_when_its_batch_is_read(tmp_pat
     ([1, 2], r"item 5 of the source is a list; a source's items must be non-empty dicts of numpy arrays"),
 ])
 def test_an_item_unlike_item_0_is_named_by_index_and_key(bad, message):
-    data = items(8)
-    data[5] = bad
-    it = make_batches(data, 8, prefetch=0)
+    data = items(100)
+    data[5] = bad  # not among the 8 items sampled when the source is made (0, 14, 28, ..., 99)
+    it = make_batches(data, 100, prefetch=0)
     with pytest.raises(ValueError, match=message):
         next(it)
+    data[99] = bad  # the last item is sampled: refused before any batch is read
+    with pytest.raises(ValueError, match=message.replace("item 5", "item 99")):
+        as_source(data)
 
 
 def test_sources_that_are_not_sources_are_refused():

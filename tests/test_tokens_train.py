@@ -46,9 +46,12 @@ def losses(workdir):
 
 
 def leaves(tree):
-    if isinstance(tree, dict):
-        return [x for k in sorted(tree) for x in leaves(tree[k])]
-    return [np.asarray(tree)]
+    """Every array of a params tree (an nnx.State or a restored dict), in jax's tree order."""
+    import jax
+
+    found = [np.asarray(x) for x in jax.tree.leaves(tree)]
+    assert found and all(x.dtype.kind == "f" for x in found), "not a tree of float arrays"
+    return found
 
 
 def bad_file(path, kind):
@@ -157,3 +160,53 @@ def test_prepare_tokens_writes_byte_tokens_split_as_the_char_corpus(tmp_path):
     r = run([sys.executable, "examples/prepare_tokens.py", "--out", str(tmp_path / "x"), "--val-fraction", "1"],
             timeout=120)
     assert r.returncode == 2 and "--val-fraction 1.0 must be strictly between 0 and 1" in r.stderr
+
+
+def noisy(example, rng):
+    """A random transform for the trainer: the image plus noise from (seed, epoch, index)."""
+    return {"x": example["x"] + 0.1 * rng.standard_normal(example["x"].shape).astype(np.float32),
+            "y": example["y"]}
+
+
+def test_jdp_nnx_task_trains_on_a_grain_source_with_a_transform_and_resumes_bit_exactly(tmp_path):
+    import grain
+    import optax
+    from flax import nnx
+
+    import jdp
+    from jdp.config import load_config
+    from jdp.train import train
+
+    x, y, xt, yt = jdp.data.load_digits()
+    source = grain.MapDataset.range(len(x)).map(lambda i: {"x": x[i], "y": y[i]})
+
+    def loss_fn(model, batch):
+        return optax.softmax_cross_entropy_with_integer_labels(model(batch["x"]), batch["y"]).mean()
+
+    def metric_fn(model, batch):
+        return {"loss": optax.softmax_cross_entropy_with_integer_labels(model(batch["x"]), batch["y"])}
+
+    def task(transform):
+        model = nnx.Linear(64, 10, rngs=nnx.Rngs(0))
+        return jdp.nnx.task(model, loss_fn, metric_fn, source, {"x": xt, "y": yt}, transform=transform)
+
+    config = load_config(None, ["train.steps=30", "data.batch_size=64", "parallel.devices=2", "optim.name=sgd",
+                                "optim.lr=0.5"])  # 22 steps per epoch: the resume crosses into epoch 1
+    quiet = dict(log=lambda *a: None, progress=False)
+    straight = train(config, str(tmp_path / "straight"), task=task(noisy), **quiet)
+    train(config, str(tmp_path / "resumed"), task=task(noisy), stop_after=12, **quiet)
+    resumed = train(config, str(tmp_path / "resumed"), task=task(noisy), **quiet)
+    assert resumed.resumed_from == 12
+    for a, b in zip(leaves(resumed.params), leaves(straight.params)):
+        np.testing.assert_array_equal(a, b)
+    plain = train(config, str(tmp_path / "plain"), task=task(None), **quiet)
+    assert not np.array_equal(leaves(plain.params)[0], leaves(straight.params)[0])  # the transform ran
+    workers = train(apply_workers(config), str(tmp_path / "workers"), task=task(noisy), **quiet)
+    for a, b in zip(leaves(workers.params), leaves(straight.params)):  # 2 grain worker processes: the same run
+        np.testing.assert_array_equal(a, b)
+
+
+def apply_workers(config):
+    from jdp.config import apply_overrides
+
+    return apply_overrides(config, ["data.workers=2"])
