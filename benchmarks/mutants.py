@@ -238,6 +238,14 @@ MUTANTS = [
            "h.update(np.ascontiguousarray(raw[start:start + block]).data)",
            "h.update(b'')",  # the digest sees only the size and settings
            ("tests/test_data_sources.py::test_the_token_digest_reads_a_sample_and_sees_size_and_content",)),
+    Mutant("token_sample_not_checked", "data/tokens.py",
+           "            self._check_sample()",
+           "            pass",  # a file of out-of-range ids opens; only its batches would fail, mid-run
+           ("tests/test_data_sources.py", "-k", "bad_token_files")),
+    Mutant("data_digest_ignores_the_source", "checkpoint.py",
+           'digest = data.digest() if hasattr(data, "digest") and not hasattr(data, "arrays") else tree_digest(arrays)',
+           'digest = tree_digest(arrays) if hasattr(data, "arrays") else hashlib.sha256(b"").hexdigest()',
+           ("tests/test_tokens_train.py::test_the_run_identity_hashes_arrays_as_before_and_a_token_file_by_its_sample",)),
     Mutant("items_not_checked_against_item_0", "data/sources.py",
            "    if got == spec:\n        return",
            "    if True:\n        return",

@@ -210,3 +210,27 @@ def apply_workers(config):
     from jdp.config import apply_overrides
 
     return apply_overrides(config, ["data.workers=2"])
+
+
+def test_the_run_identity_hashes_arrays_as_before_and_a_token_file_by_its_sample(tmp_path, files):
+    import shutil
+
+    from jdp.checkpoint import tree_digest, with_data_digest
+    from jdp.config import load_config
+    from jdp.data import ArrayDataset, load_tokens
+    from jdp.train import train
+
+    arrays = {"x": np.arange(12.0).reshape(6, 2), "y": np.arange(6)}
+    # Runs on arrays keep the identity their checkpoints hold: the whole arrays' sha256, as before.
+    assert with_data_digest({}, ArrayDataset(arrays))["data"]["train_arrays_sha256"] == tree_digest(arrays)[:16]
+    path = tmp_path / "train.bin"
+    shutil.copy(files / "train.bin", path)
+    tokens = load_tokens(path, context_length=8)
+    assert with_data_digest({}, tokens)["data"]["train_arrays_sha256"] == tokens.digest()[:16]
+    config = load_config(None, [*TINY, f"data.path={path}", "train.steps=4", "parallel.devices=2"])
+    train(config, str(tmp_path / "w"), stop_after=2, log=lambda *a: None, progress=False)
+    edited = np.fromfile(path, np.uint16)
+    edited[:10] = (edited[:10] + 1) % 64  # the same size, new content in the first (always sampled) block
+    edited.tofile(path)
+    with pytest.raises(ValueError, match=r"was written by a different run \(data.train_arrays_sha256: checkpoint"):
+        train(config, str(tmp_path / "w"), log=lambda *a: None, progress=False)
