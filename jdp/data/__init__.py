@@ -12,7 +12,8 @@
 A new kind of source is one module with a class offering `__len__`, `__getitem__`, `take`,
 `spec` and `digest` (see `jdp.data.sources`). grain is imported only once batches are read.
 """
-from jdp.data.array_record import decode_example, encode_example, load_array_record, write_array_record
+from jdp.data.array_record import (ArrayRecordSource, decode_example, encode_example, load_array_record,
+                                   write_array_record)
 from jdp.data.arrays import ArrayDataset, as_dataset, load_arrays
 from jdp.data.batches import MASK_KEY, BatchIterator, example_rng, make_batches
 from jdp.data.datasets import (DIGITS_EXAMPLES, SEED_REGRESSIONS, CharCorpus, SeedRegression, char_windows,
@@ -21,7 +22,7 @@ from jdp.data.order import ORDERS, epoch_order, shuffled_positions
 from jdp.data.sources import ItemSource, as_source
 from jdp.data.tokens import TOKEN_DTYPES, TokenWindows, load_tokens
 
-__all__ = ["ArrayDataset", "BatchIterator", "CharCorpus", "DIGITS_EXAMPLES", "ItemSource", "MASK_KEY", "ORDERS",
+__all__ = ["ArrayDataset", "ArrayRecordSource", "BatchIterator", "CharCorpus", "DIGITS_EXAMPLES", "ItemSource", "MASK_KEY", "ORDERS",
            "SEED_REGRESSIONS", "SeedRegression", "TOKEN_DTYPES", "TokenWindows", "as_dataset", "as_source",
            "char_windows", "decode_example", "encode_example", "epoch_order", "example_rng", "held_out_count",
            "load_array_record", "load_arrays", "load_char_corpus", "load_digits", "load_seed_regression",
