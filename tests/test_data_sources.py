@@ -315,3 +315,16 @@ def test_sources_that_are_not_sources_are_refused():
         make_batches(items(4), 2, transform=3)
     with pytest.raises(ValueError, match=r"transform\(item 0, rng\) is a NoneType"):
         make_batches(items(4), 2, transform=lambda e, rng: None)
+
+
+def test_a_state_saved_before_the_order_key_existed_resumes_arrays_only(token_file):
+    arrays = {"id": np.arange(40)}
+    it = make_batches(arrays, 8, seed=1)
+    take(it, 3)
+    old = {k: v for k, v in it.get_state().items() if k != "order"}  # what earlier checkpoints hold
+    same(take(make_batches(arrays, 8, seed=1, start_state=old), 2), take(it, 2))
+    tokens = load_tokens(token_file, context_length=10)
+    old_tokens = {k: v for k, v in make_batches(tokens, 8).get_state().items() if k != "order"}
+    with pytest.raises(ValueError, match=r"the saved data state has order='permutation' but this iterator has "
+                                         r"order='bijection'; resume with the same dataset and settings"):
+        make_batches(tokens, 8, start_state=old_tokens)
