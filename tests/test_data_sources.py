@@ -328,3 +328,13 @@ def test_a_state_saved_before_the_order_key_existed_resumes_arrays_only(token_fi
     with pytest.raises(ValueError, match=r"the saved data state has order='permutation' but this iterator has "
                                          r"order='bijection'; resume with the same dataset and settings"):
         make_batches(tokens, 8, start_state=old_tokens)
+
+
+@pytest.mark.parametrize("source", ["tokens", "array_record"], indirect=True)
+def test_worker_processes_reopen_file_sources_and_give_the_same_batches(source):
+    plain = take(make_batches(source, 16, seed=8, prefetch=0), 8)  # crosses into epoch 1
+    workers = make_batches(source, 16, seed=8, prefetch=2, workers=2)
+    try:
+        same(take(workers, 8), plain)
+    finally:
+        workers.close()
