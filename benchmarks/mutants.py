@@ -246,6 +246,10 @@ MUTANTS = [
            'digest = data.digest() if hasattr(data, "digest") and not hasattr(data, "arrays") else tree_digest(arrays)',
            'digest = tree_digest(arrays) if hasattr(data, "arrays") else hashlib.sha256(b"").hexdigest()',
            ("tests/test_tokens_train.py::test_the_run_identity_hashes_arrays_as_before_and_a_token_file_by_its_sample",)),
+    Mutant("token_file_read_whole", "data/tokens.py",
+           'self._tokens = np.memmap(self.path, dtype=self.dtype, mode="r", shape=(self.num_tokens,))',
+           "self._tokens = np.fromfile(self.path, dtype=self.dtype)",  # the same batches, the file in memory
+           ("tests/test_data_sources.py::test_a_token_file_is_never_read_whole",)),
     Mutant("items_not_checked_against_item_0", "data/sources.py",
            "    if got == spec:\n        return",
            "    if True:\n        return",

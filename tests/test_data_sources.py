@@ -4,7 +4,10 @@ For each: the global batch does not depend on the process count, a mid-epoch sta
 exactly, transforms are seeded from (seed, epoch, index), and bad items are named by index and key.
 """
 import json
+import os
 import re
+import subprocess
+import sys
 
 import grain
 import numpy as np
@@ -338,3 +341,19 @@ def test_worker_processes_reopen_file_sources_and_give_the_same_batches(source):
         same(take(workers, 8), plain)
     finally:
         workers.close()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="RssAnon is read from Linux's /proc")
+def test_a_token_file_is_never_read_whole(tmp_path):
+    # A fresh process opens a 512 MiB sparse token file and reads 200 batches of 64 windows: its
+    # anonymous memory grows by far less than the file (page-cache pages of the map are not anonymous).
+    path = tmp_path / "big.bin"
+    with open(path, "wb") as f:
+        f.truncate(512 * 2**20)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-m", "benchmarks.data", "memory", str(path), "200"], cwd=root,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    m = json.loads(r.stdout.strip().splitlines()[-1])
+    assert m["after_batches"] - m["after_import"] < 64 * 2**20, m  # grain's import and the batches, not the file
+    assert m["after_batches"] - m["after_open"] < 8 * 2**20, m
