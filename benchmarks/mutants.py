@@ -250,6 +250,11 @@ MUTANTS = [
            'self._tokens = np.memmap(self.path, dtype=self.dtype, mode="r", shape=(self.num_tokens,))',
            "self._tokens = np.fromfile(self.path, dtype=self.dtype)",  # the same batches, the file in memory
            ("tests/test_data_sources.py::test_a_token_file_is_never_read_whole",)),
+    Mutant("trainer_drops_the_transform", "train.py",
+           "workers=d.workers, transform=task.transform,",
+           "workers=d.workers, transform=None,",  # jdp.nnx.task(transform=...) silently unused
+           ("tests/test_tokens_train.py::"
+            "test_jdp_nnx_task_trains_on_a_grain_source_with_a_transform_and_resumes_bit_exactly",)),
     Mutant("items_not_checked_against_item_0", "data/sources.py",
            "    if got == spec:\n        return",
            "    if True:\n        return",

@@ -116,7 +116,7 @@ def free_port():
         return s.getsockname()[1]
 
 
-def test_two_processes_on_a_token_file_equal_one(tmp_path, files):
+def test_two_processes_on_a_token_file_equal_one_process_and_one_device(tmp_path, files):
     one = tmp_path / "one"
     r = run(jdp_train(one, files, "--steps", "6", "--devices", "4"))
     assert r.returncode == 0, r.stderr[-2000:]
@@ -136,6 +136,10 @@ def test_two_processes_on_a_token_file_equal_one(tmp_path, files):
                 p.kill()
                 p.communicate()
     np.testing.assert_allclose(list(losses(work).values()), list(losses(one).values()), rtol=1e-6)
+    one_device = tmp_path / "one_device"  # the reference: one device on the whole global batch
+    r = run(jdp_train(one_device, files, "--steps", "6", "--devices", "1"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    np.testing.assert_allclose(list(losses(work).values()), list(losses(one_device).values()), rtol=1e-5)
     (s_two, p_two), (s_one, p_one) = latest_params(work), latest_params(one)
     assert s_two == s_one == 6
     for a, b in zip(leaves(p_two), leaves(p_one)):
