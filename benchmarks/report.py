@@ -96,7 +96,29 @@ def markdown(report: dict) -> str:
             out += [f"- {n} devices failed: {e}" for n, e in s["errors"].items()]
     out += _zero_section(report.get("zero"))
     out += _fsdp_section(report.get("fsdp"))
+    out += _data_section(report.get("data"))
     return "\n".join(out) + "\n"
+
+
+def _data_section(d: dict | None) -> list[str]:
+    if not d:
+        return []
+    out = ["", f"## 7. Input pipeline: loader batches/s vs the char GPT step (global batch {d['global_batch']}, "
+           f"{d['batches_timed']} batches timed, {d['cpu_count']} CPUs)", "",
+           "| loader | batches/s | × the step |", "|---|---|---|"]
+    step = d["char_gpt_steps_per_s_2_devices"]
+    for name, rate in d["loader_batches_per_s"].items():
+        out.append(f"| {name} | {rate:,.1f} | {rate / step:.1f} |")
+    out += [f"| char GPT step, 2 fake CPU devices (steps/s) | {step:,.1f} | 1 |", "",
+            f"Speed-up on the transform-heavy source: 2 threads {d['speedup_2_threads']:.2f}×, 2 worker processes "
+            f"{d['speedup_2_workers']:.2f}×.", "",
+            "| token file | RssAnon after opening | after the batches | VmRSS after (incl. page cache) | windows | "
+            "a permutation of them would take |", "|---|---|---|---|---|---|"]
+    for name, m in d["memory"].items():
+        out.append(f"| {name} | {m['after_open'] / 2**20:.1f} MiB | {m['after_batches'] / 2**20:.1f} MiB "
+                   f"({m['batches']} batches) | {m['vmrss_after_batches'] / 2**20:.1f} MiB | {m['windows']:,} | "
+                   f"{m['permutation_bytes_it_would_need'] / 2**20:.1f} MiB |")
+    return out
 
 
 def _zero_section(z: dict | None) -> list[str]:

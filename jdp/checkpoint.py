@@ -118,10 +118,17 @@ def _json_digest(value) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def with_data_digest(identity: dict, arrays) -> dict:
-    """`identity` (a run identity) with `data.train_arrays_sha256`: the first 16 hex digits of the
-    sha256 of the training arrays, so resuming on other data is refused like any other difference."""
-    return {**identity, "data": {**identity.get("data", {}), "train_arrays_sha256": tree_digest(arrays)[:16]}}
+def with_data_digest(identity: dict, data) -> dict:
+    """`identity` (a run identity) with `data.train_arrays_sha256`: the first 16 hex digits of a sha256
+    of the training data, so resuming on other data is refused like any other difference.
+
+    In-memory arrays (a dict of arrays, or anything with `.arrays`) are hashed whole (`tree_digest`);
+    any other source by its own `digest()`, which reads a sample (a token file: its size, dtype,
+    window settings and 16 blocks of 64 KiB; a grain or ArrayRecord source: its length and 8 items).
+    """
+    arrays = getattr(data, "arrays", data)
+    digest = data.digest() if hasattr(data, "digest") and not hasattr(data, "arrays") else tree_digest(arrays)
+    return {**identity, "data": {**identity.get("data", {}), "train_arrays_sha256": digest[:16]}}
 
 
 def _differences(saved: dict, current: dict, prefix: str = "") -> list[str]:

@@ -30,22 +30,22 @@ from typing import Any
 
 from jdp.config_sections import (ATTENTIONS, DATASETS, MODEL_DATA, MODELS, SECTIONS, DataConfig, ModelConfig,
                                  OptimConfig, ParallelConfig, TrainConfig, step_option_key)
-from jdp.data import DIGITS_EXAMPLES, SEED_REGRESSIONS, held_out_count
+from jdp.data.datasets import DIGITS_EXAMPLES, SEED_REGRESSIONS, held_out_count
 from jdp.optim import OptimizerSpec
 from jdp.options import OptionError, StepOptions
 from jdp.sections import ConfigError, field_docs, parse_override, quoted, read_yaml, shorten
 
 # Fields left out of `config_hash`: they may change between runs of the same training (so may
 # train.steps where the schedule does not use it: `run_identity`).
-HASH_EXCLUDED = ("data.eval_batch_size", "parallel.devices", "parallel.shard_optimizer_state", "parallel.shard_params",
-                 "train.log_every", "train.eval_every", "train.checkpoint_every", "train.keep_checkpoints",
-                 "train.max_nonfinite")
+HASH_EXCLUDED = ("data.eval_batch_size", "data.val_path", "data.threads", "data.workers", "parallel.devices",
+                 "parallel.shard_optimizer_state", "parallel.shard_params", "train.log_every",
+                 "train.eval_every", "train.checkpoint_every", "train.keep_checkpoints", "train.max_nonfinite")
 # Fields that say where a run may start, not what it trains: left out of `run_identity` as well.
 PLACEMENT_ONLY = ("train.accelerator_only",)
 # Identity fields added after checkpoints already existed, with the value every earlier run had:
 # a checkpoint whose identity lacks one resumes when the config keeps that value.
 ADDED_DEFAULTS = {"model.attention": "flax", "model.remat": False, "parallel.reduce_dtype": None,
-                  "train.precision": "float32"}
+                  "train.precision": "float32", "data.dtype": "uint16", "data.vocab_size": None}
 
 
 @dataclass(frozen=True)
@@ -191,12 +191,7 @@ def validate(config: Config, num_devices: int | None) -> Config:
     if m.name == "gpt" and m.d_model % m.n_heads:
         raise ConfigError(f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}.")
 
-    if d.name == "arrays" and d.path is None:
-        raise ConfigError("data.name='arrays' needs data.path, a .npz file with arrays 'x' and 'y'.")
-    if d.name != "arrays" and d.path is not None:
-        raise ConfigError(f"data.path is read only with data.name='arrays', got data.name={d.name!r}.")
-    if d.name == "arrays" and not os.path.isfile(d.path):
-        raise ConfigError(f"data.path={quoted(d.path)} is not a file (relative paths start at {os.getcwd()}).")
+    _check_data_files(d)
     if d.name == "digits" and held_out_count(DIGITS_EXAMPLES, d.test_fraction) >= DIGITS_EXAMPLES:
         raise ConfigError(f"data.test_fraction={d.test_fraction} holds out round({DIGITS_EXAMPLES} × {d.test_fraction}) "
                           f"= {held_out_count(DIGITS_EXAMPLES, d.test_fraction)} of the {DIGITS_EXAMPLES} digits "
@@ -218,6 +213,28 @@ def validate(config: Config, num_devices: int | None) -> Config:
         raise ConfigError(f"data.batch_size={d.batch_size} is not a multiple of parallel.accum_steps × devices "
                           f"= {p.accum_steps} × {devices}; use a multiple of {p.accum_steps * devices}.")
     return config
+
+
+def _check_data_files(d: DataConfig) -> None:
+    """data.path, data.val_path and data.vocab_size as data.name reads them; the files must exist."""
+    if d.name == "arrays" and d.path is None:
+        raise ConfigError("data.name='arrays' needs data.path, a .npz file with arrays 'x' and 'y'.")
+    if d.name == "tokens" and (d.path is None or d.vocab_size is None):
+        missing = "data.path (the training token file)" if d.path is None else "data.vocab_size"
+        raise ConfigError(f"data.name='tokens' needs {missing}; it takes data.path, data.vocab_size and optionally "
+                          f"data.val_path and data.dtype.")
+    if d.name not in ("arrays", "tokens") and d.path is not None:
+        raise ConfigError(f"data.path is read only with data.name 'arrays' or 'tokens', got data.name={d.name!r}.")
+    if d.name != "tokens":
+        for key, value, default in (("val_path", d.val_path, None), ("vocab_size", d.vocab_size, None),
+                                    ("dtype", d.dtype, "uint16")):
+            if value != default:
+                raise ConfigError(f"data.{key} is read only with data.name='tokens', got data.name={d.name!r}.")
+    if d.name == "arrays" and not d.path.lower().endswith(".npz"):
+        raise ConfigError(f"data.path must be the path of a .npz file with data.name='arrays', got {quoted(d.path)}.")
+    for key, path in (("path", d.path), ("val_path", d.val_path)):
+        if path is not None and not os.path.isfile(path):
+            raise ConfigError(f"data.{key}={quoted(path)} is not a file (relative paths start at {os.getcwd()}).")
 
 
 def _check_step_and_optimizer(config: Config) -> None:
@@ -247,7 +264,8 @@ def run_identity(config: Config) -> dict[str, dict[str, Any]]:
 
     A checkpoint stores it; resuming with a different identity is refused. Left out
     (HASH_EXCLUDED): train.log_every, eval_every, checkpoint_every, keep_checkpoints and
-    data.eval_batch_size (what is logged, evaluated or saved when, not what is trained), and
+    data.eval_batch_size and data.val_path (what is logged, evaluated or saved when, not what is
+    trained), data.threads and data.workers (how batches are computed, never which), and
     parallel.devices, parallel.shard_optimizer_state and parallel.shard_params (the device count and
     the layout may change between runs: the step's result does not depend on them), and train.accelerator_only (PLACEMENT_ONLY: where a run may start, not what it trains).
     train.steps counts only where the schedule uses it (`schedule_uses_steps`): otherwise the

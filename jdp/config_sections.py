@@ -11,17 +11,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from jdp.data import SEED_REGRESSIONS
+from jdp.data.datasets import SEED_REGRESSIONS
+from jdp.data.tokens import TOKEN_DTYPES
 from jdp.optim import OPTIMIZERS, SCHEDULES
 from jdp.options import ACCUM_SYNCS, BACKENDS, LR_CORRECTIONS, REDUCTIONS, OptionError, StepOptions
 from jdp.precision import ALIASES, DTYPES
-from jdp.sections import (BOOL, COUNT, FRACTION, NON_NEGATIVE, NPZ, POSITIVE, POSITIVE_INT, SEED, TWO_WIDTHS, UNIT,
+from jdp.sections import (BOOL, COUNT, FRACTION, NON_NEGATIVE, PATH, POSITIVE, POSITIVE_INT, SEED, TWO_WIDTHS, UNIT,
                           WIDTHS, ConfigError, Rule, Section, one_of, or_null)
 
 MODELS = ("mlp", "cnn", "gpt", "linear")
-DATASETS = ("digits", "chars", "seed_linear", "arrays")
+DATASETS = ("digits", "chars", "seed_linear", "arrays", "tokens")
 # The datasets each model can train on (the model's input and loss must fit the arrays).
-MODEL_DATA = {"mlp": ("digits", "arrays"), "cnn": ("digits", "arrays"), "gpt": ("chars",),
+MODEL_DATA = {"mlp": ("digits", "arrays"), "cnn": ("digits", "arrays"), "gpt": ("chars", "tokens"),
               "linear": ("seed_linear", "arrays")}
 ATTENTIONS = ("flax", "fused", "cudnn")  # the gpt's attention functions, as `jdp.models.gpt.ATTENTIONS` names them
 # train.precision and parallel.reduce_dtype: what the section checks itself (the type); StepOptions
@@ -88,9 +89,18 @@ class DataConfig(Section):
 
     name: str = "digits"
     """One of "digits" (scikit-learn's 8×8 digits), "chars" (a character corpus, for gpt),
-    "seed_linear" (the seed regressions y = w·x, `jdp.data.SEED_REGRESSIONS`), "arrays" (your own .npz)."""
+    "seed_linear" (the seed regressions y = w·x, `jdp.data.SEED_REGRESSIONS`), "arrays" (your own .npz),
+    "tokens" (a flat file of token ids, nanoGPT's train.bin, memory-mapped; for gpt)."""
     path: str | None = None
-    """arrays: a .npz file holding arrays "x" and "y" (relative to the working directory)."""
+    """arrays: a .npz file holding arrays "x" and "y"; tokens: the training token file (relative to
+    the working directory). Its windows of model.context tokens tile it (`jdp.data.load_tokens`)."""
+    val_path: str | None = None
+    """tokens: the held-out token file, evaluated in windows of model.context tokens; null: none."""
+    dtype: str = "uint16"
+    """tokens: the dtype of the files' token ids, "uint8", "uint16" (nanoGPT's) or "uint32"."""
+    vocab_size: int | None = None
+    """tokens (required there): the number of token ids; the gpt gets one embedding per id, and a file
+    holding an id >= vocab_size is refused (a sample when it opens, then every batch as it is read)."""
     seed_example: int = 2
     """seed_linear: which seed regression, 1 (one weight, 4 examples) or 2 (two weights, 8 examples)."""
     batch_size: int = 128
@@ -101,13 +111,21 @@ class DataConfig(Section):
     """Skip each epoch's last, incomplete batch; false pads it and masks the padding out."""
     test_fraction: float = 0.2
     """digits: the fraction held out to measure test accuracy, strictly between 0 and 1."""
+    threads: int = 1
+    """Threads of this process computing batches ahead (grain's); more help where reading or a
+    transform releases the GIL. Never changes the batches."""
+    workers: int = 0
+    """grain worker processes computing batches ahead (0: none, threads only); for per-example work
+    that holds the GIL. Never changes the batches."""
 
     _section: ClassVar[str] = "data"
     _rules: ClassVar[dict[str, Rule]] = dict(
-        name=one_of(DATASETS), path=or_null(NPZ),
+        name=one_of(DATASETS), path=or_null(PATH), val_path=or_null(PATH), dtype=one_of(TOKEN_DTYPES),
+        vocab_size=or_null(POSITIVE_INT),
         seed_example=Rule(" or ".join(map(str, SEED_REGRESSIONS)), lambda v: v in SEED_REGRESSIONS,
                           schema={"enum": list(SEED_REGRESSIONS)}),
-        batch_size=POSITIVE_INT, eval_batch_size=POSITIVE_INT, drop_last=BOOL, test_fraction=FRACTION)
+        batch_size=POSITIVE_INT, eval_batch_size=POSITIVE_INT, drop_last=BOOL, test_fraction=FRACTION,
+        threads=POSITIVE_INT, workers=COUNT)
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,8 @@ def evaluate_state(step, state, metric_fn: Callable, data, batch_size: int = 256
     """Exact means of `metric_fn`'s per-example values over every example of `data`, on `step`'s devices.
 
     `metric_fn(params, model_state, batch) -> {name: values of shape (b,)}`; `data` is a dict of
-    arrays with one leading axis (or a `jdp.data.ArrayDataset`). Each device sums its share, the
+    arrays with one leading axis or any source `jdp.data.make_batches` takes (a token file, a
+    `grain.MapDataset`, ...). Each device sums its share, the
     last batch is padded and masked, and sums and counts are added over devices: the result is
     what one device computes on the whole set, whatever the device count or batch size.
     """

@@ -142,7 +142,8 @@ def make_train_step(model: nnx.Module, loss_fn: Callable, optimizer, *, sync_bat
 
 
 def task(model: nnx.Module, loss_fn: Callable, metric_fn: Callable, train, test=None, *, has_aux: bool = False,
-         needs_rng: bool = False, sync_batchnorm: bool = True, description: str | None = None) -> Task:
+         needs_rng: bool = False, sync_batchnorm: bool = True, description: str | None = None,
+         transform: Callable | None = None) -> Task:
     """Your model, loss and arrays as a `jdp.tasks.Task`, for the full trainer:
     `jdp.train.train(config, workdir, task=jdp.nnx.task(...))` (checkpoints, exact resume, metrics,
     evaluation, multi-process). The config's model and data names are then not used.
@@ -150,18 +151,21 @@ def task(model: nnx.Module, loss_fn: Callable, metric_fn: Callable, train, test=
     `loss_fn` as for `make_train_step`; with `data.drop_last: false` batches carry a "mask" (1 real,
     0 padding) and the loss must be `sum(mask · per-example loss) / b`. `metric_fn(model, batch) ->
     {name: per-example values}` on the model in eval mode. `train`/`test`: dicts of arrays with one
-    leading axis (or `jdp.data.ArrayDataset`s).
+    leading axis, or any source `jdp.data.make_batches` takes (a `grain.MapDataset`, an object with
+    `__len__` and `__getitem__(i) -> {key: array}`, `jdp.data.load_tokens(...)`,
+    `jdp.data.load_array_record(...)`). `transform(example, rng) -> example` runs on every training
+    example as it is read, `rng` seeded from (train.seed, epoch, index); evaluation reads `test` as is.
     """
-    from jdp.data import ArrayDataset  # the trainer's pipeline: not needed for a step alone
+    from jdp.data import as_source  # the trainer's pipeline: not needed for a step alone
     from jdp.tasks import Task
 
     split = SplitModel.of(model, sync_batchnorm)
     _check_arity(loss_fn, 3 if needs_rng else 2, "(model, batch, rngs)" if needs_rng else "(model, batch)")
     inner = _device_loss(split, loss_fn, has_aux=has_aux, needs_rng=needs_rng)
     trainer_loss = inner if has_aux else lambda *args: (lambda out: (out[0], ({}, out[1])))(inner(*args))
-    as_dataset = lambda d: d if d is None or isinstance(d, ArrayDataset) else ArrayDataset(dict(d))  # noqa: E731
-    return Task(split.params, split.rest, trainer_loss, split.metric_adapter(metric_fn), as_dataset(train),
-                as_dataset(test), description or f"{type(model).__name__} (your model)", sync_batchnorm)
+    return Task(split.params, split.rest, trainer_loss, split.metric_adapter(metric_fn), as_source(train),
+                None if test is None else as_source(test), description or f"{type(model).__name__} (your model)",
+                sync_batchnorm, transform)
 
 
 def _device_loss(split: SplitModel, loss_fn, *, has_aux: bool, needs_rng: bool):

@@ -88,6 +88,7 @@ WIDTHS = Rule("a list of positive integers", lambda v: all(w >= 1 for w in v), s
 TWO_WIDTHS = Rule("a list of two positive integers", lambda v: len(v) == 2 and all(w >= 1 for w in v),
                   schema={"items": {"minimum": 1}, "minItems": 2, "maxItems": 2})
 NPZ = Rule("the path of a .npz file", lambda v: v.lower().endswith(".npz"), schema={"pattern": r"\.[nN][pP][zZ]$"})
+PATH = Rule("a file path", lambda v: bool(v), schema={"minLength": 1})
 
 _BAD = object()  # _coerce's "wrong type"
 # YAML 1.1 reads 3e-4 as a string; these are the numbers it misses (YAML 1.2's float syntax).

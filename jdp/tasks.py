@@ -26,10 +26,11 @@ class Task:
     model_state: Any  # non-parameter state (BatchNorm statistics), () if none
     loss_fn: Callable  # loss_fn(params, model_state, batch, rng) -> (loss, (aux, new_model_state))
     metric_fn: Callable  # metric_fn(params, model_state, batch) -> {name: per-example values}
-    train: ArrayDataset
-    test: ArrayDataset | None  # evaluated at eval steps; None: no held-out set
+    train: Any  # a jdp.data source (ArrayDataset, TokenWindows, ItemSource over a grain.MapDataset, ...)
+    test: Any  # a source evaluated at eval steps; None: no held-out set
     description: str
     sync_batchnorm: bool = True  # False: the model keeps per-device statistics (the step's sync_batchnorm)
+    transform: Callable | None = None  # transform(example, rng) on every training example (jdp.data.make_batches)
 
 
 def _masked_mean(values, batch):
@@ -175,6 +176,14 @@ def build_task(config) -> Task:
         model = GPT(corpus.vocab_size, m.context, d_model=m.d_model, n_heads=m.n_heads, n_layers=m.n_layers,
                     dropout=m.dropout, dtype=dtype, attention=m.attention, remat=m.remat, rngs=rngs)
         return _language_model(functional(model), f"char GPT ({corpus.vocab_size} symbols)", train, test)
+    if d.name == "tokens":
+        train = D.load_tokens(d.path, context_length=m.context, dtype=d.dtype, vocab_size=d.vocab_size)
+        test = d.val_path and D.load_tokens(d.val_path, context_length=m.context, dtype=d.dtype,
+                                            vocab_size=d.vocab_size)
+        model = GPT(d.vocab_size, m.context, d_model=m.d_model, n_heads=m.n_heads, n_layers=m.n_layers,
+                    dropout=m.dropout, dtype=dtype, attention=m.attention, remat=m.remat, rngs=rngs)
+        return _language_model(functional(model), f"GPT on tokens {quoted(d.path)} ({d.vocab_size} ids)", train,
+                               test or None)
     if d.name == "digits":
         x, y, xt, yt = D.load_digits(d.test_fraction, images=m.name == "cnn")
         train, test = ArrayDataset({"x": x, "y": y}), ArrayDataset({"x": xt, "y": yt})

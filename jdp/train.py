@@ -140,10 +140,12 @@ def train(config: Config, workdir: str, *, devices=None, log=print, progress: bo
     # ... and on the data each builds (a file that differs between hosts): the training set decides
     # the batches, the held-out set how many evaluation batches reduce over the devices.
     agree({"train_examples": len(task.train), "test_examples": 0 if task.test is None else len(task.test)})
-    batches = make_batches(task.train, config.data.batch_size, seed=t.seed, drop_last=config.data.drop_last,
-                           process_index=jax.process_index(), num_processes=jax.process_count())
+    d = config.data
+    batches = make_batches(task.train, d.batch_size, seed=t.seed, drop_last=d.drop_last, threads=d.threads,
+                           workers=d.workers, transform=task.transform, process_index=jax.process_index(),
+                           num_processes=jax.process_count())
     state = step.init(task.params, task.model_state, seed=t.seed)
-    run = {"identity": with_data_digest(run_identity(config), task.train.arrays), "config": config.to_dict(),
+    run = {"identity": with_data_digest(run_identity(config), task.train), "config": config.to_dict(),
            "devices": len(devices)}
     eval_step = make_eval_step(task.metric_fn, step.mesh) if task.test is not None else None
 

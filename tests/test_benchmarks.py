@@ -52,6 +52,14 @@ def test_quick_run_writes_a_complete_report(tmp_path):
         assert row["median_step_s"] > 0 and row["first_call_s"] > 0
         assert row["bytes_per_param"] == pytest.approx(16.0, abs=0.01)  # fp32 params + grads + Adam m, v
 
+    dp = report["data"]
+    assert dp["loader_batches_per_s"]["tokens"] > 0 and dp["char_gpt_steps_per_s_2_devices"] > 0
+    assert dp["ratio_loader_tokens_over_step"] > 0 and dp["speedup_2_workers"] > 0
+    small, large = dp["memory"]["10MB"], dp["memory"]["1GB"]
+    assert (small["file_bytes"], large["file_bytes"]) == (10 * 2**20, 2**30)
+    # RssAnon stays flat as the file grows a hundredfold: the file is never read whole.
+    assert large["after_batches"] - large["after_open"] < 16 * 2**20
+
     z = report["zero"]
     assert z["ratio_sharded_over_replicated"] > 0 and "reduce-scatter" in z["comm_sharded"]
     memory = {(r["devices"], r["layout"]): r["bytes_per_param"] for r in z["memory"]["rows"]}

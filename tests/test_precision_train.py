@@ -107,7 +107,8 @@ def test_new_keys_take_aliases_and_store_full_names():
             defaults.train.accelerator_only) == ("float32", None, "flax", False, False)
     assert ATTENTIONS == GPT_ATTENTIONS
     assert {k: v for k, v in ADDED_DEFAULTS.items()} == {
-        "model.attention": "flax", "model.remat": False, "parallel.reduce_dtype": None, "train.precision": "float32"}
+        "model.attention": "flax", "model.remat": False, "parallel.reduce_dtype": None, "train.precision": "float32",
+        "data.dtype": "uint16", "data.vocab_size": None}
 
 
 @pytest.mark.parametrize("override,message", [
