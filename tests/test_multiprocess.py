@@ -92,15 +92,19 @@ def test_two_processes_equal_one(tmp_path, one_process):
     for code, out, err in finish(launch(work, 6)):
         assert code == 0, err[-2000:]
     np.testing.assert_allclose(list(losses(work).values()), list(losses(one_process).values()), rtol=1e-6)
-    one_device = tmp_path / "one_device"
-    r = subprocess.run(jdp_train("--workdir", str(one_device), "--steps", "6", "--devices", "1"), capture_output=True,
-                       text=True, env=ENV, cwd=ROOT, timeout=240)
-    assert r.returncode == 0, r.stderr
-    np.testing.assert_allclose(list(losses(work).values()), list(losses(one_device).values()), rtol=1e-5)
     (s_multi, p_multi), (s_one, p_one) = latest_params(work), latest_params(one_process)
     assert s_multi == s_one == 6
     for a, b in zip(flat(p_multi), flat(p_one)):
         np.testing.assert_allclose(a, b, atol=2e-6)
+
+
+def test_one_process_on_four_devices_equals_one_device(tmp_path, one_process):
+    # With the test above (two processes equal this one), two processes equal one device.
+    one_device = tmp_path / "one_device"
+    r = subprocess.run(jdp_train("--workdir", str(one_device), "--steps", "6", "--devices", "1"), capture_output=True,
+                       text=True, env=ENV, cwd=ROOT, timeout=240)
+    assert r.returncode == 0, r.stderr
+    np.testing.assert_allclose(list(losses(one_process).values()), list(losses(one_device).values()), rtol=1e-5)
 
 
 def test_two_processes_with_the_optimizer_state_sharded_equal_one(tmp_path, one_process):
