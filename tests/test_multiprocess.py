@@ -80,10 +80,16 @@ def flat(tree):
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
+    """The multi-process runs' config trained here, in one process on 4 of its devices (the CLI's
+    `--devices 4` run: the same program, one process start fewer for every test that uses it)."""
+    import jax
+
+    from jdp.config import load_config
+    from jdp.train import train
+
     work = tmp_path_factory.mktemp("single")
-    r = subprocess.run(jdp_train("--workdir", str(work), "--steps", "6", "--devices", "4"), capture_output=True,
-                       text=True, env=ENV, cwd=ROOT, timeout=240)
-    assert r.returncode == 0, r.stderr
+    train(load_config(None, ["data.batch_size=64", "train.log_every=1", "train.steps=6"]), str(work),
+          devices=jax.devices()[:4], log=lambda *_: None, progress=False)
     return work
 
 
