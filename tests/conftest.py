@@ -28,12 +28,14 @@ assert PLATFORM or jax.device_count() == 8, "tests need 8 fake CPU devices; XLA_
 
 import pytest  # noqa: E402
 
-# The quick tier (`pytest -m quick`, about 1 min cold on a quiet 2-core machine): every public path
-# once, one representative per path rather than whole parametrized files. Both backends, mean and
-# sum with each correction, both accumulation modes, model state and masks, the step's guards, the
-# seed numbers, mixed precision, ZeRO-1 and FSDP, models, jdp.nnx and Linen, configs, data and its
-# order, the trainer with one resume, the CLI with one resume, one multi-process run, the docs'
-# files and schema. An entry is a file, a test, or one parametrized case of a test (`name[id]`).
+# The quick tier (`pytest -m quick`, 1 min 8 s cold and 40 s warm on a 2-core machine shared with
+# other jobs): every public path once, one representative per path rather than whole parametrized
+# files. Both backends, mean and sum with each correction, both accumulation modes, model state and
+# masks, the step's guards, the seed numbers, mixed precision, ZeRO-1 and FSDP, models, jdp.nnx and
+# Linen, configs, data and its order, the trainer with one resume, `jdp train` as one multi-process
+# run, the CLI's one-sentence exits, `jdp plot` in process, the docs' files and schema. The slower
+# end-to-end runs (the CLI's train-plot-resume, every trap, every case) are in the full suite. An
+# entry is a file, a test, or one parametrized case of a test (`name[id]`).
 QUICK = (
     "test_seeds.py", "test_config.py", "test_data.py", "test_data_order.py", "test_drop_last_divisible.py",
     "test_faults_input.py", "test_mutants.py", "test_replicas.py",
@@ -72,7 +74,7 @@ QUICK = (
     "test_linen.py::test_one_sentence_errors",
     "test_linen.py::test_bridge_equals_the_linen_loop_and_hands_back[shard_map-adam-2-last-2]",
     "test_linen.py::test_batchnorm_mistakes_are_one_sentence",
-    "test_cli.py::test_train_logs_checkpoints_plots_and_resumes",
+    "test_papercuts.py::test_plot_has_axis_labels_the_run_name_and_marked_eval_points",
     "test_multiprocess.py::test_two_processes_equal_one",
     "test_workdir_files.py::test_a_symlinked_file_in_the_workdir_is_refused_and_its_target_untouched[.jdp-lock-the lock file]",
     "test_workdir_files.py::test_rotation_deletes_only_checkpoints_jdp_provably_wrote",
