@@ -3,18 +3,18 @@
 N devices each take the mean loss over their shard, all-reduce-average the gradients, and take
 exactly the step one device would take on the whole global batch.
 
-The public API is what this module exports; everything else lives in its module (`jdp.reduce`,
-`jdp.layouts`, `jdp.algorithm`, `jdp.data`, `jdp.models`, `jdp.train`, ...).
+The public API is what this module exports; everything else lives in its module (`jdp.core.reduce`,
+`jdp.core.layouts`, `jdp.core.algorithm`, `jdp.data`, `jdp.models`, `jdp.train`, ...).
 """
 from jdp import cpu, fsdp, nnx, zero
-from jdp.comm import CommReport, comm_report
-from jdp.memory import MemoryReport, memory_report
-from jdp.mesh import DATA_AXIS, make_mesh
-from jdp.optim import OptimizerSpec, exact_sum_spec
-from jdp.options import StepOptions
-from jdp.replicas import ReplicaMismatchError, check_replicas, replica_mismatches
-from jdp.state import TrainState
-from jdp.step import TrainStep, get_params, make_train_step
+from jdp.inspect.comm import CommReport, comm_report
+from jdp.inspect.memory import MemoryReport, memory_report
+from jdp.core.mesh import DATA_AXIS, make_mesh
+from jdp.core.optim import OptimizerSpec, exact_sum_spec
+from jdp.core.options import StepOptions
+from jdp.inspect.replicas import ReplicaMismatchError, check_replicas, replica_mismatches
+from jdp.core.state import TrainState
+from jdp.core.step import TrainStep, get_params, make_train_step
 
 __version__ = "0.1.0"
 
@@ -24,7 +24,7 @@ __version__ = "0.1.0"
 cpu.configure_at_import()
 
 # Imported on first use: orbax (checkpoints), flax.training (Linen) and grain (data) cost ~0.3 s each.
-_LAZY = {"restore_state": "jdp.checkpoint", "save_state": "jdp.checkpoint", "data": None, "linen": None,
+_LAZY = {"restore_state": "jdp.run.checkpoint", "save_state": "jdp.run.checkpoint", "data": None, "linen": None,
          "models": None}
 
 

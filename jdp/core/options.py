@@ -1,0 +1,107 @@
+"""The step's options as one frozen, validated value: every rule about them lives here, once.
+
+`make_train_step` builds a `StepOptions` from its keyword arguments; `jdp.config.validate` builds
+one from a config's `parallel` and `train` sections and puts the dotted key in front of the message.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from jdp.core.precision import dtype_name
+
+BACKENDS = ("shard_map", "pmap")
+REDUCTIONS = ("mean", "sum")
+LR_CORRECTIONS = ("auto", "none", "exact")
+ACCUM_SYNCS = ("every", "last")
+
+
+class OptionError(ValueError):
+    """A step option that cannot run; `field` names it (e.g. "lr_correction")."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """How `make_train_step` spreads, reduces and accumulates; see its docstring for each field."""
+
+    backend: str = "shard_map"  # one of BACKENDS
+    reduction: str = "mean"  # one of REDUCTIONS
+    lr_correction: str | None = None  # reduction="sum" only; resolved to "none" (mean) or "auto" (sum, None)
+    accum_steps: int = 1  # M micro-batches per optimizer step
+    accum_sync: str = "every"  # one of ACCUM_SYNCS; matters only when accum_steps > 1
+    has_aux: bool = False
+    needs_rng: bool = False
+    has_state: bool = False
+    mask_key: str | None = "mask"
+    skip_nonfinite: bool = False
+    grad_norm: bool = True
+    precision: str = "float32"  # compute dtype of forward and backward: "float32" or "bfloat16"
+    reduce_dtype: str | None = None  # dtype the gradient is all-reduced in; None: the gradient's own
+    shard_optimizer_state: bool = False  # ZeRO-1: each device keeps 1/N of the optimizer state
+    axis_name: str = "data"  # the mesh axis the step binds; code that reduces over "batch" passes "batch"
+    sync_batchnorm: bool = True  # model state out of the loss must agree on every device (checked)
+    shard_params: bool = False  # FSDP: 1/N of the params too; implies shard_optimizer_state
+
+    def __post_init__(self):
+        for field, choices in (("backend", BACKENDS), ("reduction", REDUCTIONS), ("accum_sync", ACCUM_SYNCS)):
+            if getattr(self, field) not in choices:
+                raise OptionError(field, f"{field}={getattr(self, field)!r} is not supported; use one of {choices}.")
+        if not _is_int(self.accum_steps) or self.accum_steps < 1:
+            raise OptionError("accum_steps", f"accum_steps={self.accum_steps!r} must be an integer of at least 1.")
+        for field in ("has_aux", "needs_rng", "has_state", "skip_nonfinite", "grad_norm", "shard_optimizer_state",
+                      "sync_batchnorm", "shard_params"):
+            if not isinstance(getattr(self, field), (bool, np.bool_)):
+                raise OptionError(field, f"{field}={getattr(self, field)!r} must be True or False.")
+        if self.shard_params and self.backend != "shard_map":
+            raise OptionError("shard_params", f"shard_params=True needs backend='shard_map' (got {self.backend!r}): "
+                              f"pmap keeps a whole copy of the params on every device.")
+        if self.shard_params:  # the params' slices are updated by the optimizer state's slices
+            object.__setattr__(self, "shard_optimizer_state", True)
+        if self.shard_optimizer_state and self.backend != "shard_map":
+            raise OptionError("shard_optimizer_state", f"shard_optimizer_state=True needs backend='shard_map' "
+                              f"(got {self.backend!r}): pmap keeps a whole copy of the state on every device.")
+        if not isinstance(self.axis_name, str) or not self.axis_name.isidentifier():
+            raise OptionError("axis_name", f"axis_name={self.axis_name!r} must be a mesh axis name: a non-empty "
+                              f"identifier such as 'data' or 'batch'.")
+        if self.mask_key is not None and not isinstance(self.mask_key, str):
+            raise OptionError("mask_key", f"mask_key={self.mask_key!r} must be a string or None.")
+        for field, allow_none in (("precision", False), ("reduce_dtype", True)):
+            try:
+                object.__setattr__(self, field, dtype_name(getattr(self, field), field, allow_none))
+            except ValueError as e:
+                raise OptionError(field, str(e)) from None
+        object.__setattr__(self, "accum_steps", int(self.accum_steps))
+        object.__setattr__(self, "lr_correction", self._resolved_lr_correction())
+
+    def _resolved_lr_correction(self) -> str:
+        if self.reduction == "mean":
+            if self.lr_correction not in (None, "none"):
+                raise OptionError("lr_correction", f"lr_correction={self.lr_correction!r} only applies to "
+                                  f"reduction='sum'; the mean reduction already yields the global-batch gradient "
+                                  f"(use None or 'none').")
+            return "none"
+        if self.lr_correction is None:
+            return "auto"
+        if self.lr_correction not in LR_CORRECTIONS:
+            raise OptionError("lr_correction", f"lr_correction={self.lr_correction!r} is not supported; "
+                              f"use one of {LR_CORRECTIONS}.")
+        return self.lr_correction
+
+    @property
+    def local_accum(self) -> bool:
+        """accum_sync="last" with M > 1: per-device sums, one all-reduce per optimizer step."""
+        return self.accum_steps > 1 and self.accum_sync == "last"
+
+    @property
+    def multi_steps(self) -> bool:
+        """accum_sync="every" with M > 1: optax.MultiSteps averages the M reduced gradients."""
+        return self.accum_steps > 1 and self.accum_sync == "every"

@@ -1,0 +1,460 @@
+"""`assert_data_parallel_exact`: does jdp on N devices take the steps plain one-device JAX takes?
+
+Used by `jdp.testing` (which re-exports it) and by jdp's own tests. The reference never uses jdp's
+step: `jax.jit(value_and_grad)` + optax on the whole global batch, or Flax's `nnx.Optimizer` loop
+for an nnx model, with `optax.MultiSteps` over the micro-batches when accum_steps > 1.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jdp.inspect.replicas import check_replicas
+from jdp.core.step import get_tree
+from jdp.core.step import make_train_step as make_array_step
+
+# dtype: (rtol, atol). A leaf passes if max |jdp - reference| <= atol + rtol * max |reference|.
+# Summing N shards in another order moves the last bits; measured over 6 steps of an MLP with SGD,
+# momentum, Adam and AdamW + clipping on 2-8 devices, the largest differences are 1/20 (float32),
+# 1/5 (float16, bfloat16) and 1/500 (float64) of these. Adam whose state is bfloat16 or float16
+# is the exception: where a gradient is near zero its update flips sign, a few learning rates
+# apart from one device; pass atol for it, and rtol/atol for long runs.
+TOLERANCES: dict[str, tuple[float, float]] = {
+    "float64": (1e-12, 1e-12),
+    "float32": (1e-5, 1e-5),
+    "float16": (2e-3, 2e-3),
+    "bfloat16": (2e-2, 2e-2),
+}
+
+
+def default_tolerance(dtype) -> tuple[float, float]:
+    """(rtol, atol) for leaves of `dtype`: `TOLERANCES`, and (0, 0) (bit-exact) for integers and bools."""
+    name = jnp.dtype(dtype).name
+    if name in TOLERANCES:
+        return TOLERANCES[name]
+    if jnp.issubdtype(dtype, jnp.inexact):  # complex, float8: by the width of their floats
+        return TOLERANCES.get(jnp.finfo(dtype).dtype.name, TOLERANCES["bfloat16"])
+    return 0.0, 0.0
+
+
+@dataclass(frozen=True)
+class LeafDiff:
+    """One leaf of one run compared with the one-device reference."""
+
+    run: str  # "shard_map", "pmap", or with accumulation "pmap, accum_sync='last'"
+    name: str  # "params.l0.w", "model_state.bn.mean", "loss", "aux.accuracy"
+    diff: float  # max |jdp - reference| over the leaf (loss and aux: over the steps)
+    tol: float  # atol + rtol * max |reference|
+    moved: float  # max |reference after the steps - before| (NaN for loss and aux)
+    dtype: str
+
+    @property
+    def ok(self) -> bool:
+        return self.diff <= self.tol
+
+    @property
+    def ratio(self) -> float:
+        """diff / tol: above 1 fails."""
+        return self.diff / self.tol if self.tol > 0 else (0.0 if self.diff == 0 else math.inf)
+
+
+@dataclass(frozen=True)
+class ExactnessReport:
+    """Every leaf of every run, worst first (by diff / tol). `str(report)` is a table."""
+
+    rows: tuple[LeafDiff, ...]
+    devices: int
+    steps: int
+    runs: tuple[str, ...]
+
+    @property
+    def failures(self) -> tuple[LeafDiff, ...]:
+        return tuple(r for r in self.rows if not r.ok)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def table(self, limit: int | None = None) -> str:
+        rows = self.rows if limit is None else self.rows[:limit]
+        run_w = max([3] + [len(r.run) for r in rows])
+        name_w = max([4] + [len(r.name) for r in rows])
+        lines = [f"     {'run':<{run_w}}  {'leaf':<{name_w}}  {'max|Δ|':>9}  {'tolerance':>9}  {'moved':>9}  dtype"]
+        for r in rows:
+            lines.append(f"{'ok ' if r.ok else 'FAIL'} {r.run:<{run_w}}  {r.name:<{name_w}}  {r.diff:9.2e}  "
+                         f"{r.tol:9.2e}  {r.moved:9.2e}  {r.dtype}")
+        if len(rows) < len(self.rows):
+            lines.append(f"     ... {len(self.rows) - len(rows)} more, all within tolerance"
+                         if all(r.ok for r in self.rows[len(rows):]) else f"     ... {len(self.rows) - len(rows)} more")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        head = (f"jdp on {self.devices} device(s) vs one device, {self.steps} step(s), runs: {', '.join(self.runs)}; "
+                f"{len(self.failures)} of {len(self.rows)} leaves beyond tolerance; worst first:")
+        return head + "\n" + self.table()
+
+
+class NotExactError(AssertionError):
+    """Raised by `assert_data_parallel_exact`; `.report` is the `ExactnessReport` (every leaf), or None
+    when the failure is not a leaf's (the reference went non-finite, replicas, step count)."""
+
+    def __init__(self, message: str, report: ExactnessReport | None):
+        super().__init__(message)
+        self.report = report
+
+
+_OWN_OPTIONS = ("backend", "devices", "accum_steps", "accum_sync", "has_aux", "has_state")
+_NOT_ONE_DEVICE = {"needs_rng": "per-device random keys cannot equal one device's"}
+
+
+@dataclass(frozen=True)
+class _Setup:
+    """What every run of one check shares: the loss as declared, the optimizer and the reference."""
+
+    loss_fn: Callable
+    tx: optax.GradientTransformation  # the optimizer itself (the reference wraps it in MultiSteps)
+    start: object  # params, or an nnx model
+    model_state: object  # has_state only: the initial model state (Linen's batch_stats)
+    has_aux: bool
+    has_state: bool
+    rtol: float | None
+    atol: float | None
+
+
+def assert_data_parallel_exact(loss_fn: Callable, optimizer, params_or_model, batches: Iterable, *,
+                               devices: Sequence[jax.Device] | None = None,
+                               backends: Sequence[str] | str = ("shard_map", "pmap"), accum_steps: int = 1,
+                               accum_sync: Sequence[str] | str = ("every", "last"), has_aux: bool = False,
+                               has_state: bool = False, model_state=None, rtol: float | None = None,
+                               atol: float | None = None, **step_options) -> ExactnessReport:
+    """Assert that jdp on N devices takes the steps one device takes on the same global batches.
+
+    Args:
+      loss_fn: `loss_fn(params, batch)` (array params) or `loss_fn(model, batch)` (an nnx model):
+        the MEAN loss over the examples it is given, as for `jdp.make_train_step`; `(loss, aux)`
+        with has_aux (aux: scalar means such as accuracy; compared too). With has_state (array
+        params, e.g. a Linen model with BatchNorm): `loss_fn(params, model_state, batch) -> (loss,
+        new_model_state)`, or `(loss, (aux, new_model_state))` with has_aux.
+      optimizer: an optax transformation (or, for a model, an `nnx.Optimizer`: its `tx`).
+      params_or_model: a pytree of arrays, or an `nnx.Module` (never modified). A model that draws
+        random numbers (Dropout) cannot match one device: make it deterministic for this test.
+      batches: global batches, each `accum_steps` × N × b examples along the leading axis; one
+        optimizer step each.
+      devices: the N devices, default all of `jax.devices()` (at least 2 unless given).
+      backends, accum_sync: every combination is run (accum_sync only when accum_steps > 1),
+        each compiled once; so is the reference.
+      accum_steps: M micro-batches per optimizer step. The reference is then one device stepping
+        `optax.MultiSteps(optimizer, M)` through the same M micro-batches (for a model without
+        batch statistics, the same as one step on the whole global batch; with them, statistics
+        per micro-batch, as jdp computes them).
+      has_state, model_state: array params with non-parameter state (Linen's `batch_stats`): the
+        state is compared too.
+      rtol, atol: a leaf passes if max |jdp - reference| <= atol + rtol · max |reference|;
+        default by the leaf's dtype, `TOLERANCES` (float32: 1e-5 each). Pass your own for a model
+        that computes in lower precision than its params, or for long runs.
+      **step_options: passed on to the step (`reduction`, `lr_correction`, `skip_nonfinite`,
+        `mask_key` (default None here: the batch is taken as it is), `axis_name` (the mesh axis
+        the loss reduces over, e.g. 'batch' for `nn.BatchNorm(axis_name='batch')`), and for a model
+        `sync_batchnorm`).
+
+    The reference is independent of jdp: `jax.jit` of `jax.value_and_grad` and the optax update on
+    the whole global batch on the first device, the loss run with `axis_name` bound on that one
+    device (`jax.vmap` over an axis of size 1, so a BatchNorm's or a metric's `lax.pmean` is the
+    identity); for an nnx model, `nnx.value_and_grad` and an `nnx.Optimizer`, BatchNorm statistics
+    compared too. Per run, the params (and model state), the loss and aux of every step, the
+    optimizer step count and the replicas (`jdp.check_replicas`) are checked.
+
+    Returns the `ExactnessReport` (print it). Raises `NotExactError` (an AssertionError): with the
+    report, failing leaves first, when a leaf is beyond its tolerance or when the reference moved no
+    parameter beyond its tolerance (the comparison would prove nothing); without it (`.report` None)
+    when the reference went NaN/Inf, or a run's replicas or optimizer step count are wrong.
+    """
+    batches, backends, syncs = _checked_arguments(batches, backends, accum_sync, step_options)
+    devices = _checked_devices(devices)
+    setup = _setup(loss_fn, optimizer, params_or_model, has_aux, has_state, model_state, rtol, atol)
+    reference_tx = setup.tx if accum_steps == 1 else optax.MultiSteps(setup.tx, accum_steps).gradient_transformation()
+    reference = (_reference_model(loss_fn, reference_tx, params_or_model, batches, accum_steps, has_aux, devices[0])
+                 if isinstance(params_or_model, nnx.Module) else
+                 _reference_params(setup, reference_tx, batches, accum_steps, step_options.get("axis_name", "data"),
+                                   devices[0]))
+    _check_reference_finite(reference[1])
+    rows, labels = [], []
+    for backend in backends:
+        for sync in (syncs if accum_steps > 1 else syncs[:1]):
+            label = backend if accum_steps == 1 else f"{backend}, accum_sync={sync!r}"
+            labels.append(label)
+            options = dict(step_options, backend=backend, devices=devices, accum_steps=accum_steps, accum_sync=sync)
+            rows += _compare_run(label, setup, _run_jdp(label, setup, batches, options), reference)
+    return _verdict(rows, labels, len(devices), len(batches))
+
+
+def _checked_arguments(batches, backends, accum_sync, step_options):
+    batches = list(batches)
+    if not batches:
+        raise ValueError("batches is empty; pass at least one global batch.")
+    backends = (backends,) if isinstance(backends, str) else tuple(backends)
+    syncs = (accum_sync,) if isinstance(accum_sync, str) else tuple(accum_sync)
+    if not backends or not syncs:
+        raise ValueError("backends and accum_sync must name at least one each.")
+    for name in step_options:
+        if name in _OWN_OPTIONS:
+            raise ValueError(f"{name} is an argument of assert_data_parallel_exact itself; it is not a step option.")
+        if name in _NOT_ONE_DEVICE:
+            raise ValueError(f"{name} cannot be checked against one device: {_NOT_ONE_DEVICE[name]}.")
+    step_options.setdefault("mask_key", None)
+    return batches, backends, syncs
+
+
+def _checked_devices(devices) -> list:
+    if devices is None:
+        devices = jax.devices()
+        if len(devices) < 2:
+            raise ValueError("jax has only 1 device, so nothing data-parallel would be tested: run pytest with "
+                             "--jdp-devices N, or call jdp.cpu.use_cpu_devices(N) before any jax computation.")
+    return list(devices)
+
+
+def _setup(loss_fn, optimizer, start, has_aux, has_state, model_state, rtol, atol) -> _Setup:
+    is_model = isinstance(start, nnx.Module)
+    tx = optimizer.tx if is_model and isinstance(optimizer, nnx.Optimizer) else optimizer
+    if not isinstance(tx, optax.GradientTransformation):
+        raise ValueError(f"optimizer must be an optax.GradientTransformation"
+                         f"{' or an nnx.Optimizer' if is_model else ''}, got {type(optimizer).__name__}.")
+    if has_state and is_model:
+        raise ValueError("has_state is for array params (e.g. Linen's batch_stats); an nnx model's BatchNorm "
+                         "statistics are found and compared without it.")
+    if has_state != (model_state is not None and bool(jax.tree.leaves(model_state))):
+        raise ValueError("has_state=True and model_state=... go together: pass both (the model state the loss "
+                         "takes, e.g. variables['batch_stats']), or neither.")
+    return _Setup(loss_fn, tx, start, model_state, has_aux, has_state, rtol, atol)
+
+
+def _check_reference_finite(ref_final) -> None:
+    bad = [group + path for group in ref_final for path, x in _leaves(ref_final[group]).items()
+           if jnp.issubdtype(x.dtype, jnp.inexact) and not np.all(np.isfinite(x))]
+    if bad:
+        raise NotExactError(f"the one-device reference itself produced NaN or Inf in {', '.join(bad[:5])}"
+                            f"{' ...' if len(bad) > 5 else ''}, so comparing with it proves nothing; fix the "
+                            f"model, the data or the optimizer (e.g. Adam's eps underflows in float16).", None)
+
+
+def _run_jdp(label: str, setup: _Setup, batches: list, options: dict):
+    """One jdp run over every batch: (final params [and model state], per-step losses, per-step aux)."""
+    is_model = isinstance(setup.start, nnx.Module)
+    if is_model:
+        step = _nnx_make_train_step(setup.start, setup.loss_fn, setup.tx, has_aux=setup.has_aux, **options)
+        state = step.init(seed=0)
+    else:
+        step = make_array_step(setup.loss_fn, setup.tx, has_aux=setup.has_aux, has_state=setup.has_state, **options)
+        state = step.init(setup.start, setup.model_state if setup.has_state else ())
+    losses, auxes = [], []
+    for batch in batches:
+        for micro in step.micro_batches(batch):
+            state, metrics = step(state, micro)
+        losses.append(metrics["loss"])
+        auxes.append(metrics.get("aux", {}))
+    try:
+        check_replicas(state)
+    except AssertionError as e:
+        raise NotExactError(f"{label}: the devices' copies of the state differ: {e}", None) from e
+    taken = int(get_tree(state, state.step))
+    if taken != len(batches):
+        raise NotExactError(f"{label}: {taken} optimizer step(s) taken for {len(batches)} global batches.", None)
+    final = {"params": get_tree(state, state.params)}
+    if is_model or setup.has_state:
+        final["model_state"] = get_tree(state, state.model_state)
+    return final, jax.device_get(losses), jax.device_get(auxes)
+
+
+def _compare_run(label: str, setup: _Setup, run, reference) -> list[LeafDiff]:
+    (final, losses, auxes), (initial, ref_final, ref_losses, ref_aux) = run, reference
+    rows = _compare(label, final, ref_final, initial, setup.rtol, setup.atol)
+    rows += _compare_steps(label, "loss", losses, ref_losses, setup.rtol, setup.atol)
+    if setup.has_aux:
+        got_aux, want_aux = _per_step(auxes), _per_step(ref_aux)
+        if got_aux.keys() != want_aux.keys():
+            raise NotExactError(f"{label}: the step's aux has {sorted(got_aux)}, the reference's "
+                                f"{sorted(want_aux)}.", None)
+        for path, want in want_aux.items():
+            rows += _compare_steps(label, "aux" + path, got_aux[path], want, setup.rtol, setup.atol)
+    return rows
+
+
+def _verdict(rows: list[LeafDiff], labels: list[str], devices: int, steps: int) -> ExactnessReport:
+    rows.sort(key=lambda r: (-r.ratio, -r.diff, r.run, r.name))
+    report = ExactnessReport(tuple(rows), devices, steps, tuple(labels))
+    if not report.ok:
+        raise NotExactError(f"jdp on {devices} devices does not take the one-device steps: "
+                            f"{len(report.failures)} of {len(rows)} leaves beyond tolerance (worst first; "
+                            f"runs: {', '.join(labels)}):\n{report.table(limit=max(20, len(report.failures)))}", report)
+    param_rows = [r for r in rows if r.name.startswith("params")]
+    if not any(r.moved > r.tol for r in param_rows):
+        top = max(param_rows, key=lambda r: r.moved)
+        raise NotExactError(f"the one-device reference changed no parameter beyond its tolerance (largest: "
+                            f"{top.name} by {top.moved:.2e}, tolerance {top.tol:.2e}), so this comparison would "
+                            f"pass for any step; use a larger learning rate or more batches.", report)
+    return report
+
+
+def _nnx_make_train_step(model, loss_fn, optimizer, **options):
+    from jdp.bridges.nnx import make_train_step
+
+    return make_train_step(model, loss_fn, optimizer, **options)
+
+
+def _micro(batch, m: int) -> list:
+    rows = {np.shape(x)[0] for x in jax.tree.leaves(batch)}
+    if len(rows) != 1:
+        raise ValueError(f"every leaf of a batch needs the same leading (batch) axis; got sizes {sorted(rows)}.")
+    (size,) = rows
+    if size % m:
+        raise ValueError(f"a global batch of {size} examples does not split into accum_steps={m} micro-batches.")
+    b = size // m
+    return [jax.tree.map(lambda x: x[k * b:(k + 1) * b], batch) for k in range(m)]
+
+
+def _reference_params(setup: _Setup, tx, batches, m, axis: str, device):
+    """Plain one-device JAX: jit(value_and_grad) and the optax update, on the whole (micro-)batch,
+    with `axis` bound on that one device (vmap over a size-1 axis), so collectives in the loss are
+    the identity."""
+
+    def one_device(params, opt_state, model_state, batch):
+        def loss(p):
+            out = setup.loss_fn(p, model_state, batch) if setup.has_state else setup.loss_fn(p, batch)
+            if setup.has_aux and setup.has_state:
+                return out
+            if setup.has_aux:
+                return out[0], (out[1], model_state)
+            return (out[0], ({}, out[1])) if setup.has_state else (out, ({}, model_state))
+
+        (value, (aux, new_state)), grads = jax.value_and_grad(loss, has_aux=True)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, new_state, value, aux
+
+    step = jax.jit(jax.vmap(one_device, axis_name=axis))
+    one = lambda tree: jax.tree.map(lambda x: x[None], tree)  # noqa: E731
+    params = jax.device_put(setup.start, device)
+    model_state = jax.device_put(setup.model_state if setup.has_state else (), device)
+    carry = one((params, tx.init(params), model_state))
+    losses, auxes = [], []
+    for batch in batches:
+        outs = []
+        for micro in _micro(batch, m):
+            *carry, loss, aux = step(*carry, one(jax.device_put(micro, device)))
+            outs.append((loss[0], jax.tree.map(lambda x: x[0], aux)))
+        losses.append(_mean([o[0] for o in outs]))
+        auxes.append(jax.tree.map(lambda *xs: _mean(xs), *[o[1] for o in outs]))
+    params, _, model_state = jax.tree.map(lambda x: x[0], jax.device_get(carry))
+    initial = {"params": jax.device_get(setup.start)}
+    final = {"params": params}
+    if setup.has_state:
+        initial["model_state"], final["model_state"] = jax.device_get(setup.model_state), model_state
+    return initial, final, jax.device_get(losses), jax.device_get(auxes)
+
+
+def _reference_model(loss_fn, tx, model, batches, m, has_aux, device):
+    """The one-device nnx loop: nnx.value_and_grad and an nnx.Optimizer, on the whole (micro-)batch."""
+    with jax.default_device(device):
+        model = nnx.clone(model)
+        nnx.update(model, jax.device_put(nnx.state(model), device))
+        opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+        @nnx.jit
+        def step(model, opt, batch):
+            (loss, aux), grads = nnx.value_and_grad(_with_aux(loss_fn, has_aux), has_aux=True)(model, batch)
+            opt.update(model, grads)
+            return loss, aux
+
+        def parts(model):
+            _, params, _, rest = nnx.split(model, nnx.Param, nnx.RngState, ...)
+            return {"params": jax.device_get(params), "model_state": jax.device_get(rest)}
+
+        initial = parts(model)
+        losses, auxes = [], []
+        for batch in batches:
+            outs = [step(model, opt, jax.device_put(micro, device)) for micro in _micro(batch, m)]
+            losses.append(_mean([o[0] for o in outs]))
+            auxes.append(jax.tree.map(lambda *xs: _mean(xs), *[o[1] for o in outs]))
+        return initial, parts(model), jax.device_get(losses), jax.device_get(auxes)
+
+
+def _with_aux(loss_fn, has_aux):
+    if has_aux:
+        return loss_fn
+    return lambda *args: (loss_fn(*args), {})
+
+
+def _mean(values):
+    values = [np.asarray(v) for v in values]
+    return values[0] if len(values) == 1 else np.mean(np.stack(values).astype(np.float64), 0).astype(values[0].dtype)
+
+
+def _leaves(tree) -> dict[str, np.ndarray]:
+    """{".a.b": leaf} with nnx's trailing ".value" dropped."""
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        name = jax.tree_util.keystr(path, simple=True, separator=".")
+        name = name.removesuffix(".value") if name != "value" else ""
+        out["." + name if name else ""] = np.asarray(leaf)
+    return out
+
+
+def _per_step(trees: list) -> dict[str, list[np.ndarray]]:
+    """[{aux} per step] as {".name": [value per step]}."""
+    per_step = [_leaves(t) for t in trees]
+    return {path: [leaves[path] for leaves in per_step] for path in per_step[0]}
+
+
+def _tolerance(ref: np.ndarray, rtol, atol) -> float:
+    default_r, default_a = default_tolerance(ref.dtype)
+    r = default_r if rtol is None else rtol
+    a = default_a if atol is None else atol
+    scale = float(np.max(np.abs(ref.astype(np.float64)))) if ref.size else 0.0
+    return a + r * (scale if math.isfinite(scale) else 0.0)
+
+
+def _max_diff(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if a.shape != b.shape:
+        return math.inf
+    if not a.size:
+        return 0.0
+    both_nan = np.isnan(a) & np.isnan(b)
+    diff = np.where(both_nan, 0.0, np.abs(a - b))
+    return float(np.max(np.where(np.isnan(diff), math.inf, diff)))
+
+
+def _compare(label, got, want, initial, rtol, atol) -> list[LeafDiff]:
+    rows = []
+    for group in want:
+        g, w, i = _leaves(got[group]), _leaves(want[group]), _leaves(initial[group])
+        if g.keys() != w.keys():
+            raise AssertionError(f"{label}: the step's {group} have leaves {sorted(g)}, the reference's {sorted(w)}.")
+        for path, ref in w.items():
+            rows.append(LeafDiff(label, group + path, _max_diff(g[path], ref), _tolerance(ref, rtol, atol),
+                                 _max_diff(ref, i[path]), ref.dtype.name))
+    return rows
+
+
+def _compare_steps(label, name, got, want, rtol, atol) -> list[LeafDiff]:
+    """One row for a per-step scalar (loss, aux): the worst step, at the coarser of the two dtypes (jdp
+    reports the loss in float32)."""
+    got, want = np.stack([np.asarray(x) for x in got]), np.stack([np.asarray(x) for x in want])
+    coarse = max((got.dtype, want.dtype), key=_resolution)
+    return [LeafDiff(label, name, _max_diff(got, want), _tolerance(want.astype(coarse), rtol, atol), math.nan,
+                     coarse.name)]
+
+
+def _resolution(dtype) -> float:
+    return float(jnp.finfo(dtype).eps) if jnp.issubdtype(dtype, jnp.inexact) else 0.0
+
+
+__all__ = ["ExactnessReport", "LeafDiff", "NotExactError", "TOLERANCES", "assert_data_parallel_exact",
+           "default_tolerance"]

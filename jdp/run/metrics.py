@@ -1,0 +1,273 @@
+"""A run's numbers: where its records go (metrics.jsonl, TensorBoard, console), FLOPs and MFU, plots.
+
+`MetricsWriter` is the one place a training run writes to: off the primary process it writes
+nothing, so the loop needs no `if primary` branches (as flax's `create_default_writer(just_logging=...)`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+import numpy as np
+
+from jdp.run.workfiles import SymlinkRefusedError, open_nofollow, refuse_symlink
+
+# Peak dense (no sparsity) bf16 tensor-core FLOP/s per device, from the vendors' data sheets; the
+# denominator of MFU. Keys are matched in order as substrings of jax's `device.device_kind` (e.g.
+# "NVIDIA H100 80GB HBM3" for the SXM part), so the more specific names come first. Devices not
+# listed (CPUs among them) get achieved FLOP/s only.
+PEAK_FLOPS = {
+    "H100 PCIe": 756e12,
+    "H100 NVL": 835e12,
+    "H100": 989e12,  # SXM
+    "H200 NVL": 835e12,
+    "H200": 989e12,  # SXM
+    "A100": 312e12,  # SXM and PCIe
+    "L40S": 362e12,
+}
+
+
+def peak_flops(device_kind: str) -> float | None:
+    """Peak dense bf16 FLOP/s of one device of `device_kind` (e.g. "NVIDIA H200"); None if not listed."""
+    return next((v for k, v in PEAK_FLOPS.items() if k in (device_kind or "")), None)
+
+
+def step_flops(step, state, batch) -> float | None:
+    """FLOPs of one optimizer step over all devices, from XLA's cost analysis of the compiled step.
+
+    `batch` is one call's (micro-)batch; None where the backend gives no cost analysis.
+    """
+    try:
+        cost = step.lower(state, batch).compile().cost_analysis()
+    except Exception:  # cost analysis is best-effort: some backends do not provide it
+        return None
+    cost = cost[0] if isinstance(cost, list) else cost
+    flops = float((cost or {}).get("flops", 0.0))
+    return flops * step.num_devices * step.accum_steps if flops > 0 else None
+
+
+class TensorBoard:
+    """Scalars to TensorBoard event files under `workdir/tensorboard` (needs tensorboardX)."""
+
+    def __init__(self, workdir: str):
+        from jdp.run.extras import require
+
+        writer = require("tensorboardX", "tensorboard", "--tensorboard").SummaryWriter
+        refuse_symlink(os.path.join(workdir, "tensorboard"), "the TensorBoard directory")
+        self._writer = writer(os.path.join(workdir, "tensorboard"))
+
+    def write(self, record: dict) -> None:
+        """Every scalar of `record` except its "step", at that step."""
+        for key, value in record.items():
+            if key != "step":
+                self._writer.add_scalar(key, value, record["step"])
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class MetricsWriter:
+    """A run's records to `workdir/metrics.jsonl` (and TensorBoard), and its progress to the console.
+
+    The console is a progress bar (`progress=True`, which shows the latest loss and throughput) or
+    one line per training record; evaluation records are always printed as a line. With
+    `active=False` (any process but the primary one) it opens nothing and writes nothing. Use it as
+    a context manager: it shows the bar inside and closes every file on the way out.
+    """
+
+    def __init__(self, workdir: str, *, total: int, start: int, log=print, progress: bool = True,
+                 tensorboard: bool = False, active: bool = True):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self._log, self._progress = (log if active else None), progress
+        self._bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                             TextColumn("{task.description}"), TimeRemainingColumn(), disable=not (progress and active))
+        self._task = self._bar.add_task("", total=total, completed=start)
+        # TensorBoard first: a missing tensorboardX stops the run before metrics.jsonl is opened.
+        self._board = TensorBoard(workdir) if tensorboard and active else None
+        self._file = None
+        if active:
+            path = os.path.join(workdir, "metrics.jsonl")
+            try:
+                if (repaired := repair_metrics(path, start)) is not None:
+                    self.log(f"{path}: {repaired}")
+                self._file = os.fdopen(open_nofollow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, "the metrics file"),
+                                       "a")
+            except SymlinkRefusedError:
+                self.close()
+                raise
+            except OSError as e:
+                self.close()
+                raise ValueError(_unwritable(path, e)) from None
+
+    def log(self, message: str) -> None:
+        """A line on the console (printed above the progress bar while it is shown)."""
+        if self._log is not None:
+            self._log(message)
+
+    def advance(self) -> None:
+        """One more optimizer step on the progress bar."""
+        self._bar.advance(self._task)
+
+    def write(self, record: dict) -> None:
+        """One record (`{"step": s, ...}`) to every sink; a record with nothing but its step is dropped."""
+        if self._file is None or len(record) < 2:
+            return
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()  # a crash loses at most the step in flight
+        if self._board is not None:
+            self._board.write(record)
+        s = record["step"]
+        if "loss" in record:
+            self._bar.update(self._task, description=f"loss {record['loss']:.4f}  "
+                             f"{record['samples_per_s']:,.0f} samples/s")
+            if not self._progress:
+                self.log(f"step {s:6d}  loss {record['loss']:.4f}  grad_norm {record['grad_norm']:.3f}  "
+                         f"lr {record['lr']:.2e}  {record['samples_per_s']:,.0f} samples/s")
+        evals = {k.removeprefix("eval_"): v for k, v in record.items() if k.startswith("eval_")}
+        if evals:
+            self.log(f"step {s:6d}  eval " + "  ".join(f"{k} {v:.4f}" for k, v in evals.items()))
+
+    def close(self) -> None:
+        """Stop the progress bar and close the files."""
+        self._bar.stop()
+        if self._board is not None:
+            self._board.close()
+        if self._file is not None:
+            self._file.close()
+
+    def __enter__(self):
+        self._bar.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _unwritable(path: str, error: OSError) -> str:
+    if os.path.isdir(path):
+        return f"{path!r} is a directory, not a metrics file; move it away or use another --workdir."
+    return f"{path!r} cannot be written ({error.strerror or error}); use a --workdir you can write to."
+
+
+def repair_metrics(path: str, step: int) -> str | None:
+    """Make `path` (a metrics.jsonl) hold each step once before a run continues from `step`.
+
+    A killed run leaves the records of the steps after its last checkpoint, which the resumed run
+    writes again, and may leave a last line cut mid-record, which the next record would be glued
+    to. Drops both (records are in step order: the records past `step` are the last ones; lines
+    that are not records are left alone), rewriting the file atomically (a temporary file, then
+    os.replace). Returns what was dropped, or None if the file is missing or needed nothing.
+    """
+    if not os.path.lexists(path):
+        return None
+    refuse_symlink(path, "the metrics file")
+    with open(path, "rb") as f:
+        lines = f.read().split(b"\n")
+    torn = lines.pop() != b""  # the text after the last newline: a record cut mid-write
+    keep = len(lines)
+    while keep and _record_step(lines[keep - 1]) is not None and _record_step(lines[keep - 1]) > step:
+        keep -= 1
+    if not torn and keep == len(lines):
+        return None
+    fd, temporary = tempfile.mkstemp(prefix=".metrics.jsonl.", dir=os.path.dirname(path) or ".")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(b"".join(line + b"\n" for line in lines[:keep]))
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(temporary, os.stat(path).st_mode & 0o7777)  # mkstemp's file is private
+        os.replace(temporary, path)
+    except BaseException:
+        os.unlink(temporary)
+        raise
+    dropped = [f"{len(lines) - keep} record(s) past step {step}"] if keep < len(lines) else []
+    return ("dropped " + " and ".join(dropped + ["a last line cut mid-record"] * torn)
+            + f", which the run writes again from step {step + 1}")
+
+
+def _record_step(line: bytes) -> int | None:
+    """The step of a metrics record line; None for anything else."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    step = record.get("step") if isinstance(record, dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def load_metrics(workdir: str) -> list[dict]:
+    """The records of `workdir/metrics.jsonl`, in order."""
+    path = os.path.join(workdir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        raise ValueError(f"{path!r} does not exist; run `jdp train ... --workdir {workdir}` first.")
+    records = []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path!r} line {number} is not JSON ({e.msg}); remove or repair that line.") from None
+            if not isinstance(record, dict) or "step" not in record:
+                raise ValueError(f"{path!r} line {number} is not a metrics record (a JSON object with a 'step').")
+            records.append(record)
+    return records
+
+
+def plot_metrics(workdir: str, path: str | None = None, name: str | None = None) -> str:
+    """Save a PNG of the loss (train, eval) and accuracy curves of a run; returns its path.
+
+    `name` titles the figure (default: the run directory's name)."""
+    records = load_metrics(workdir)
+    if path is None:  # the default lies inside the workdir: never written through a symlink
+        path = os.path.join(workdir, "curves.png")
+        refuse_symlink(path, "the plot")
+    fig = curves_figure(records, name or os.path.basename(os.path.abspath(workdir)))
+    try:
+        fig.savefig(path, dpi=110)
+    finally:
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
+    return path
+
+
+# metrics.jsonl key -> (panel, legend label, marked); evaluation points are few: each gets a marker.
+CURVES = {"loss": ("loss", "train (the logged step's batch)", False),
+          "eval_loss": ("loss", "held-out", True),
+          "train_accuracy": ("accuracy", "train (the logged step's batch)", False),
+          "eval_accuracy": ("accuracy", "held-out", True)}
+
+
+def curves_figure(records: list[dict], name: str | None = None):
+    """The matplotlib Figure `plot_metrics` saves: loss and accuracy against the optimizer step, titled `name`.
+
+    Evaluation series, and any series of a single record, are drawn with markers: a line through
+    one point is drawn as nothing (a run of one logged step, or the first eval of a long run).
+    """
+    from jdp.run.extras import require
+
+    matplotlib = require("matplotlib", "plot", "jdp plot")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    panels = dict(zip(("loss", "accuracy"), axes))
+    for key, (panel, label, marked) in CURVES.items():
+        pts = [(r["step"], r[key]) for r in records if key in r]
+        if pts:
+            marked = marked or len(pts) == 1
+            panels[panel].plot(*np.array(pts).T, marker="o" if marked else None, markersize=6,
+                               linestyle="--" if marked else "-", label=label, gid=key, zorder=3 if marked else 2)
+    for ax, ylabel in zip(axes, ("loss (mean per example)", "accuracy (fraction correct)")):
+        ax.set(xlabel="optimizer step", ylabel=ylabel)
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend()
+    fig.suptitle(f"{name}: loss and accuracy" if name else "loss and accuracy")
+    fig.tight_layout()
+    return fig

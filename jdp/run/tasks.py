@@ -1,0 +1,216 @@
+"""What to train, built from a config: model, data, loss and evaluation metrics as plain functions."""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jdp import data as D
+from jdp.data import MASK_KEY, ArrayDataset
+from jdp.models import CNN, GPT, MLP, functional
+from jdp.core.precision import DTYPES
+from jdp.text import quoted, shorten
+
+
+@dataclass(frozen=True)
+class Task:
+    """A model and its data, in the form the step and the loop consume."""
+
+    params: Any  # initial params (identical on every host: one seed)
+    model_state: Any  # non-parameter state (BatchNorm statistics), () if none
+    loss_fn: Callable  # loss_fn(params, model_state, batch, rng) -> (loss, (aux, new_model_state))
+    metric_fn: Callable  # metric_fn(params, model_state, batch) -> {name: per-example values}
+    train: Any  # a jdp.data source (ArrayDataset, TokenWindows, ItemSource over a grain.MapDataset, ...)
+    test: Any  # a source evaluated at eval steps; None: no held-out set
+    description: str
+    sync_batchnorm: bool = True  # False: the model keeps per-device statistics (the step's sync_batchnorm)
+    transform: Callable | None = None  # transform(example, rng) on every training example (jdp.data.make_batches)
+
+
+def _masked_mean(values, batch):
+    """mean over the b examples given, padded ones counting 0: sum(mask · v) / b (jdp's mask contract)."""
+    mask = batch.get(MASK_KEY)
+    return jnp.mean(values) if mask is None else jnp.sum(values * mask) / values.shape[0]
+
+
+def _classifier(fm, description, train, test) -> Task:
+    def loss_fn(params, model_state, batch, rng):
+        logits, new_state = fm.apply_with_state(params, model_state, batch["x"], train=True)
+        per_example = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+        accuracy = (logits.argmax(-1) == batch["y"]).astype(jnp.float32)
+        return _masked_mean(per_example, batch), ({"accuracy": _masked_mean(accuracy, batch)}, new_state)
+
+    def metric_fn(params, model_state, batch):
+        logits, _ = fm.apply_with_state(params, model_state, batch["x"], train=False)
+        return {"loss": optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]),
+                "accuracy": logits.argmax(-1) == batch["y"]}
+
+    return Task(fm.params, fm.rest, loss_fn, metric_fn, train, test, description)
+
+
+def _language_model(fm, description, train, test) -> Task:
+    def loss_fn(params, model_state, batch, rng):
+        logits, new_state = fm.apply_with_state(params, model_state, batch["x"], train=True, rngs=rng)
+        per_window = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean(-1)
+        accuracy = (logits.argmax(-1) == batch["y"]).mean(-1)
+        return _masked_mean(per_window, batch), ({"accuracy": _masked_mean(accuracy, batch)}, new_state)
+
+    def metric_fn(params, model_state, batch):
+        logits, _ = fm.apply_with_state(params, model_state, batch["x"], train=False)
+        return {"loss": optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean(-1),
+                "accuracy": (logits.argmax(-1) == batch["y"]).mean(-1)}
+
+    return Task(fm.params, fm.rest, loss_fn, metric_fn, train, test, description)
+
+
+def _regression(w0, description, train, test) -> Task:
+    def predict(params, x):
+        return x @ params["w"] if x.ndim == 2 else x * params["w"]
+
+    def loss_fn(params, model_state, batch, rng):
+        return _masked_mean((predict(params, batch["x"]) - batch["t"]) ** 2, batch), ({}, model_state)
+
+    def metric_fn(params, model_state, batch):
+        return {"loss": (predict(params, batch["x"]) - batch["t"]) ** 2}
+
+    return Task({"w": np.asarray(w0, np.float32)}, (), loss_fn, metric_fn, train, test, description)
+
+
+# The models (by config name) with non-parameter state: the cnn's BatchNorm statistics.
+CNN_INPUT_SHAPES = ((8, 8, 1), (64,))  # per example: an 8×8 single-channel image, or its 64 pixels
+
+
+def class_limit(n: int) -> int:
+    """Labels a classifier takes from `n` examples: 0 to class_limit(n) - 1, i.e. max(n, 1024) classes.
+
+    The output layer gets one unit per label up to the largest, so one stray label of 2^40 would ask
+    for terabytes; more classes than examples (above a small floor) can only come from such a label.
+    """
+    return max(n, 1024)
+
+
+def _checked_arrays(path, model: str, x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A user's `x` (as float32) and `y` after checking that `model` can train on them; ValueError otherwise."""
+    where = f"data.path {quoted(path)}:"
+    for name, a in (("x", x), ("y", y)):
+        if a.dtype.kind not in "biuf":
+            raise ValueError(f"{where} array {name!r} has dtype {a.dtype}; it must hold numbers (bool, int or float).")
+    if model == "linear":
+        if x.ndim > 2:
+            raise ValueError(f"{where} array 'x' has shape {x.shape}; the linear model takes shape (n,) or "
+                             f"(n, features).")
+    elif model == "cnn" and x.shape[1:] not in CNN_INPUT_SHAPES:
+        raise ValueError(f"{where} array 'x' has shape {x.shape}; the cnn takes 8×8 images of shape (n, 8, 8, 1) "
+                         f"or (n, 64).")
+    elif x.ndim < 2:
+        raise ValueError(f"{where} array 'x' has shape {x.shape}; the {model} takes one row of features per "
+                         f"example, shape (n, features...); use x[:, None] for a single feature.")
+    if x.ndim > 1 and 0 in x.shape[1:]:
+        raise ValueError(f"{where} array 'x' has shape {x.shape}: zero features per example, so there is nothing "
+                         f"to train on; save the inputs as 'x' with at least one feature.")
+    if y.ndim != 1:
+        raise ValueError(f"{where} array 'y' has shape {y.shape}; it must hold one "
+                         f"{'target' if model == 'linear' else 'class label'} per example, shape (n,).")
+    if model != "linear":
+        _check_labels(where, model, y)
+    for name, a in (("x", x), ("y", y)):
+        _check_float32(where, name, a)
+    return x.astype(np.float32), y
+
+
+def _check_labels(where: str, model: str, y: np.ndarray) -> None:
+    """Refuse class labels that are not integers in [0, class_limit(n)), before any model is sized by them."""
+    if y.dtype.kind not in "iu" or y.min() < 0:
+        got = f"dtype {y.dtype}" if y.dtype.kind not in "iu" else f"the negative label {y.min()}"
+        raise ValueError(f"{where} array 'y' has {got}; the {model} needs integer class labels 0, 1, 2, ...")
+    limit = class_limit(len(y))
+    if y.max() >= limit:
+        raise ValueError(f"{where} array 'y' has the label {y.max()}; with {len(y)} examples the {model} takes "
+                         f"labels 0 to {limit - 1} (max(n, 1024) classes: each label up to the largest is an output).")
+
+
+def _check_float32(where: str, name: str, a: np.ndarray) -> None:
+    """Refuse NaN/±inf, and values that the cast to float32 (jdp trains in float32) would turn into ±inf."""
+    if a.dtype.kind != "f":
+        return  # ints of up to 64 bits stay finite in float32 (whose range is ±3.4e38)
+    bad = int(a.size - np.count_nonzero(np.isfinite(a)))
+    if bad:
+        raise ValueError(f"{where} array {name!r} has {bad} non-finite value{'s' * (bad > 1)} (NaN or ±inf); "
+                         f"remove or replace them: every loss and gradient they touch would be NaN.")
+    top = np.finfo(np.float32).max
+    if a.dtype.itemsize > 4 and a.size and max(a.max(), -a.min()) > top:
+        worst = a.max() if a.max() >= -a.min() else a.min()
+        raise ValueError(f"{where} array {name!r} has the value {worst:.6g}, beyond float32's range (±{top:.6g}), "
+                         f"which jdp casts it to; rescale it.")
+
+
+def compute_dtype(config):
+    """The `dtype=` jdp's models are built with for train.precision: None for float32 (the models'
+    own default, so float32 runs stay bit for bit what they were), jnp.bfloat16 for bfloat16."""
+    return None if config.train.precision == "float32" else DTYPES[config.train.precision]
+
+
+def build_task(config) -> Task:
+    """The task a `jdp.config.Config` describes (model × dataset), initialised from train.seed.
+
+    The models compute in train.precision's dtype (`compute_dtype`; params stay float32, logits
+    float32), in training and in evaluation alike; the gpt takes model.attention and model.remat.
+    The linear regression has no model: the step's cast of params and inputs sets its dtype.
+    """
+    m, d = config.model, config.data
+    rngs, dtype = nnx.Rngs(config.train.seed), compute_dtype(config)
+    if d.name == "seed_linear":
+        ds = D.load_seed_regression(d.seed_example)
+        return _regression(D.SEED_REGRESSIONS[d.seed_example].w0, f"linear regression, seed example "
+                           f"{d.seed_example}", ds, None)
+    if d.name == "chars":
+        corpus = D.load_char_corpus()
+        train = D.char_windows(corpus.train, m.context, stride=m.context // 2)
+        test = D.char_windows(corpus.val, m.context, stride=m.context)
+        model = GPT(corpus.vocab_size, m.context, d_model=m.d_model, n_heads=m.n_heads, n_layers=m.n_layers,
+                    dropout=m.dropout, dtype=dtype, attention=m.attention, remat=m.remat, rngs=rngs)
+        return _language_model(functional(model), f"char GPT ({corpus.vocab_size} symbols)", train, test)
+    if d.name == "tokens":
+        train = D.load_tokens(d.path, context_length=m.context, dtype=d.dtype, vocab_size=d.vocab_size)
+        test = d.val_path and D.load_tokens(d.val_path, context_length=m.context, dtype=d.dtype,
+                                            vocab_size=d.vocab_size)
+        model = GPT(d.vocab_size, m.context, d_model=m.d_model, n_heads=m.n_heads, n_layers=m.n_layers,
+                    dropout=m.dropout, dtype=dtype, attention=m.attention, remat=m.remat, rngs=rngs)
+        return _language_model(functional(model), f"GPT on tokens {quoted(d.path)} ({d.vocab_size} ids)", train,
+                               test or None)
+    if d.name == "digits":
+        x, y, xt, yt = D.load_digits(d.test_fraction, images=m.name == "cnn")
+        train, test = ArrayDataset({"x": x, "y": y}), ArrayDataset({"x": xt, "y": yt})
+    else:  # "arrays": a user's .npz with "x" and "y"
+        arrays = D.load_arrays(d.path).arrays
+        if set(arrays) != {"x", "y"}:
+            raise ValueError(f"data.path {quoted(d.path)} must hold exactly the arrays 'x' and 'y', got "
+                             f"{shorten(str(sorted(arrays)))}.")
+        x, y = _checked_arrays(d.path, m.name, arrays["x"], arrays["y"])
+        n_test = D.held_out_count(len(x), d.test_fraction)
+        if n_test >= len(x):
+            raise ValueError(f"data.test_fraction={d.test_fraction} holds out round({len(x)} × {d.test_fraction}) = "
+                             f"{n_test} of the {len(x)} examples of data.path {quoted(d.path)} (arrays 'x' and 'y'), "
+                             f"leaving no training example; lower data.test_fraction or add examples.")
+        order = np.random.default_rng(config.train.seed).permutation(len(x))
+        train = ArrayDataset({"x": x[order[n_test:]], "y": y[order[n_test:]]})
+        test = ArrayDataset({"x": x[order[:n_test]], "y": y[order[:n_test]]}) if n_test else None
+        if m.name == "linear":
+            return _regression(np.zeros(x.shape[1:], np.float32), f"linear regression on {d.path}",
+                               ArrayDataset({"x": train.arrays["x"], "t": train.arrays["y"].astype(np.float32)}),
+                               test and ArrayDataset({"x": test.arrays["x"], "t": test.arrays["y"].astype(np.float32)}))
+    n_classes = int(max(train.arrays["y"].max(), test.arrays["y"].max() if test else 0)) + 1
+    if m.name == "cnn":
+        model = CNN(n_classes, tuple(m.channels), sync_batchnorm=m.sync_batchnorm, dtype=dtype, rngs=rngs)
+    else:
+        in_dim = int(np.prod(train.arrays["x"].shape[1:]))
+        model = MLP([in_dim, *m.hidden, n_classes], dtype=dtype, rngs=rngs)
+    task = _classifier(functional(model), f"{m.name} on {d.name} ({n_classes} classes)", train, test)
+    # The CNN without sync_batchnorm keeps per-device statistics, which the step must then accept.
+    return dataclasses.replace(task, sync_batchnorm=m.name != "cnn" or m.sync_batchnorm)
