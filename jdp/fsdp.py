@@ -1,0 +1,7 @@
+"""Params, gradient and optimizer state sharded over the data-parallel devices (FSDP, ZeRO stage 3), the same step.
+
+The public name of `jdp.core.fsdp`, where it is implemented; import it as `jdp.fsdp`.
+"""
+from jdp.core.fsdp import (FullyShardedLayout, ParamShard, is_shard, whole_params)
+
+__all__ = ["FullyShardedLayout", "ParamShard", "is_shard", "whole_params"]
