@@ -8,7 +8,7 @@ from jdp.inspect.testing import pytest as _pytest
 
 if _pytest is not None:  # the plugin's hooks and fixture (`-p jdp.testing`) must be this module's attributes
     from jdp.inspect.testing import (jdp_devices, pytest_addoption, pytest_configure,
-                                     pytest_load_initial_conftests)
+                                     pytest_load_initial_conftests, requested_devices)
 
 __all__ = ["ExactnessReport", "LeafDiff", "NotExactError", "TOLERANCES", "assert_data_parallel_exact",
            "default_tolerance"]
