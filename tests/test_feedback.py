@@ -185,7 +185,7 @@ def test_explain_progress_on_a_terminal_is_a_rich_bar():
 
 def test_a_checkpoint_that_counted_steps_with_a_constant_schedule_may_be_extended(tmp_path, monkeypatch):
     """Checkpoints written before train.steps left the identity of constant schedules hold it."""
-    import jdp.run.train
+    import jdp.run.facts
 
     work, cfg = str(tmp_path / "w"), load_config(SEED_CONFIG, ["train.steps=2"])
 
@@ -193,7 +193,7 @@ def test_a_checkpoint_that_counted_steps_with_a_constant_schedule_may_be_extende
         return train(config, work, devices=jax.devices()[:4], log=lambda *_: None, progress=False)
 
     with monkeypatch.context() as old_jdp:
-        old_jdp.setattr(jdp.run.train, "run_identity", lambda config: {**run_identity(config), "train": {
+        old_jdp.setattr(jdp.run.facts, "run_identity", lambda config: {**run_identity(config), "train": {
             "steps": config.train.steps, "seed": config.train.seed}})
         quiet(cfg)
     assert quiet(cfg).resumed_from == 2  # the same length: resumes as before

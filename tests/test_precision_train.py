@@ -13,7 +13,7 @@ import pytest
 
 import jdp.run.cli
 import jdp.run.tasks
-import jdp.run.train
+import jdp.run.facts
 from jdp.run.checkpoint import CheckpointMismatchError
 from jdp.config import ADDED_DEFAULTS, ATTENTIONS, ConfigError, config_hash, load_config, run_identity
 from jdp.models.gpt import ATTENTIONS as GPT_ATTENTIONS
@@ -224,7 +224,7 @@ def test_a_checkpoint_from_before_precision_resumes_only_in_float32(tmp_path, mo
         return identity
 
     with monkeypatch.context() as old_jdp:
-        old_jdp.setattr(jdp.run.train, "run_identity", older)
+        old_jdp.setattr(jdp.run.facts, "run_identity", older)
         quiet(load_config(None, tiny), tmp_path, 2, stop_after=1)
     with pytest.raises(CheckpointMismatchError, match=re.escape("train.precision: checkpoint '<absent>', now "
                                                                 "'bfloat16'")):

@@ -4,6 +4,48 @@ Three parts, each in its own module: the options (`jdp.core.options.StepOptions`
 them), the per-device algorithm (`jdp.core.algorithm.device_step`: grad -> reduce -> accumulate ->
 update), and the layout that runs it (`jdp.core.layouts`: shard_map or pmap). `TrainStep` joins them
 and does the host side: the initial state, placing batches, bounding how far the host runs ahead.
+
+The options of `make_train_step` that need more than a line:
+
+`mask_key`: a batch entry of 1/0 weights marking real/padded examples. When present, loss_fn must
+return `sum(mask · per-example loss) / b` and jdp rescales so that loss, gradient and aux are means
+over the real examples only (exact for accum_steps=1 and "last").
+
+`skip_nonfinite`: an optimizer step whose reduced gradient (with accum_steps > 1: the mean of its M
+micro-gradients), or the params or optimizer state it would produce, holds a NaN/Inf is skipped on
+every device (params and optimizer state unchanged); `state.skipped` counts them,
+`state.skip_streak` counts consecutive ones, and metrics report `skipped`.
+
+`precision`: "float32" or "bfloat16" ("fp32"/"bf16", or the jnp dtypes): with bfloat16, loss_fn runs
+on bf16 copies of the params and of the batch's float leaves (not the mask), so its forward and
+backward compute in bf16, while the params (master weights), optimizer and model state, the gradient
+reaching the optimizer, the loss and aux stay float32. Compute softmax and cross-entropy on float32
+logits (jdp's models return them). float16 is refused: it needs loss scaling.
+
+`reduce_dtype`: the dtype the gradient is all-reduced in; None (default) keeps the gradient's own.
+"bfloat16" halves the all-reduce's bytes (each device divides by N before the sum, so it cannot
+overflow; the mean is cast back to float32 for the optimizer) at the cost of rounding the gradient
+to bf16 (`jdp explain` measures it).
+
+`shard_optimizer_state`: ZeRO stage 1 (shard_map only): each device keeps 1/N of the optimizer state
+(params stay replicated); the gradient is reduce-scattered, each device updates its slice of the
+params, and an all-gather gives every device the whole new params: the same ring traffic as the all-
+reduce, the same step (`jdp.zero`). The optimizer must be elementwise (checked; global-norm clipping
+through `OptimizerSpec(clip_norm=...)` is exact). Checkpoints (`canonical`) are the same as the
+replicated layout's.
+
+`shard_params`: fully sharded data parallel (ZeRO-3; shard_map only; implies shard_optimizer_state):
+between steps each device keeps 1/N of every params leaf too. Each call all-gathers the params (one
+all-gather per leaf) for the forward and backward pass, reduce-scatters the gradient and updates
+this device's slice (`jdp.fsdp`): the same ring traffic as the all-reduce per call, the same step.
+`jdp.get_params(state)` and `canonical` give the params whole, in their shapes; checkpoints are the
+replicated ones.
+
+`sync_batchnorm`: has_state only. True (default): the new model state must come out of the loss the
+same on every device (synchronised BatchNorm); the first call checks it and refuses per-device
+statistics, naming the leaf. False accepts per-device statistics, averaged over the devices each
+call (PyTorch DDP without SyncBatchNorm): NOT one device's step. Either way the new state must have
+the structure, shapes and dtypes of the state given.
 """
 from __future__ import annotations
 
@@ -26,6 +68,7 @@ from jdp.core.options import StepOptions
 from jdp.core.precision import check_master_params, in_precision
 from jdp.core.state import TrainState
 from jdp.core.zero import ShardedStateLayout, check_elementwise
+
 
 class TrainStep:
     """A compiled data-parallel training step. Build it with `make_train_step`."""
@@ -53,13 +96,13 @@ class TrainStep:
         self.layout = (FullyShardedLayout(self.mesh, accum, self.optimizer, o.precision) if o.shard_params
                        else ShardedStateLayout(self.mesh, accum, self.optimizer) if o.shard_optimizer_state
                        else LAYOUTS[o.backend](self.mesh, accum))
-        self._declared_loss = partial(call_loss, loss_fn, o)  # as loss_fn declares it, before any cast
-        self._loss = in_precision(self._declared_loss, o.precision, o.mask_key)
-        self._model_state_checked = not o.has_state  # checked at the first call (see `_check_model_state`)
+        declared = partial(call_loss, loss_fn, o)  # as loss_fn declares it, before any cast
+        self._loss = in_precision(declared, o.precision, o.mask_key)
+        self._first = _FirstCall(self.layout, self.mesh, declared, self._loss, o)
         self._step = self.layout.compile(partial(self._traced, Step(self._loss, self.optimizer, o, self.layout)))
         self._init = None  # built by init, once the layout knows the params' shapes
         self.run_ahead = RunAhead(self.devices)  # bounds steps in flight on CPU devices (see jdp.cpu)
-        self._placed = weakref.WeakValueDictionary()  # arrays shard_batch produced, by id
+        self._placement = _Placement(self.mesh, self.layout, o, self.local_devices, self.multi_process)
         self.trace_count = 0  # how often the step was traced (= compiled); tests assert it stays 1
 
     def __getattr__(self, name):  # the options read as attributes: step.accum_steps, step.backend, ...
@@ -97,37 +140,7 @@ class TrainStep:
             self._init = jax.jit(self._init_state, out_shardings=self.layout.state_shardings)
         state = self._init(params, model_state, jax.random.key_data(jax.random.key(seed)),
                            UNSIZED if self.options.has_aux else {})
-        return state if example_batch is None else self._sized(state, self.shard_batch(example_batch))
-
-    def _sized(self, state: TrainState, placed) -> TrainState:
-        """`state` with the accumulator's aux sums sized from aux's structure (traced on the mesh)."""
-        if state.accum is None or state.accum.aux is not UNSIZED:
-            return state
-        one = jax.eval_shape(self.layout.canonical, state.replace(accum=None))
-        aux = aux_shapes(self._loss, self.mesh, one.params, one.model_state, self.layout.device_batch(placed))
-        empty = jax.jit(lambda: self.layout.empty_accum(one.params, aux), out_shardings=self.layout.state_shardings.accum)
-        return state.replace(accum=empty())
-
-    def _check_model_state(self, state: TrainState, placed) -> None:
-        """First call: the loss must hand back the model state in the structure it was given, and
-        (sync_batchnorm=True) equal on every device, or averaging it would not be one device's step.
-
-        The agreement check runs the loss's forward pass once more on this batch, compiled once:
-        about the cost of compiling the forward pass, on the first call only.
-        """
-        if not jax.tree.leaves(state.model_state):
-            self._model_state_checked = True
-            return
-        one = self.layout.canonical(state.replace(accum=None))  # one copy, params whole (FSDP keeps slices)
-        batch = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), placed) if state.stacked else placed
-        returned = aux_shapes(self._declared_loss, self.mesh, one.params, one.model_state,
-                              self.layout.device_batch(placed), part=1)
-        check_structure(one.model_state, returned)
-        if self.options.sync_batchnorm:
-            spread, scale = spread_over_devices(self._loss, self.mesh, one.params, one.model_state, batch, one.rng,
-                                                one.micro_step)
-            check_agreement(spread, scale, self.mesh.axis_names[0])
-        self._model_state_checked = True
+        return state if example_batch is None else self._first.sized(state, self.shard_batch(example_batch))
 
     def shard_batch(self, batch):
         """Validate a global (micro-)batch (leading axis N·b on every leaf) and place it on the devices.
@@ -135,28 +148,11 @@ class TrainStep:
         In a multi-process run each process passes its own contiguous slice (its local devices × b
         rows); the slices form one global array.
         """
-        leaves = jax.tree.leaves(batch)
-        if leaves and all(self._placed.get(id(x)) is x for x in leaves):
-            return batch  # this step's shard_batch placed it already: use it as is
-        n = self.local_devices
-        check_batch(batch, n, self.options.mask_key, "this process's" if self.multi_process else "")
-        if self.multi_process:
-            placed = jax.tree.map(lambda x: jax.make_array_from_process_local_data(batch_sharded(self.mesh),
-                                                                                   np.asarray(x)), batch)
-        else:
-            placed = self.layout.place_batch(batch, n)
-        for x in jax.tree.leaves(placed):  # remembered weakly, so pre-staged batches skip this next time
-            self._placed[id(x)] = x
-        return placed
+        return self._placement.place(batch)
 
     def micro_batches(self, global_batch) -> list:
         """Split a global batch of M·N·b examples into the M micro-batches the calls consume, in order."""
-        size, m, n = batch_rows(global_batch), self.options.accum_steps, self.local_devices
-        if size % (m * n):
-            raise ValueError(f"global batch size {size} is not accum_steps × devices × b = {m} × {n} × b "
-                             f"for any whole b; use a multiple of {m * n}.")
-        b = size // m
-        return [jax.tree.map(lambda x: x[k * b:(k + 1) * b], global_batch) for k in range(m)]
+        return self._placement.micro_batches(global_batch)
 
     def _check_state(self, state):
         check_state(state, self.layout.stacked, self.options.backend)
@@ -175,9 +171,9 @@ class TrainStep:
         """
         self._check_state(state)
         batch = self.shard_batch(batch)
-        state = self._sized(state, batch)
-        if not self._model_state_checked:
-            self._check_model_state(state, batch)
+        state = self._first.sized(state, batch)
+        if not self._first.model_state_checked:
+            self._first.check_model_state(state, batch)
         self.run_ahead.wait()
         state, metrics = self._step(state, batch)
         self.run_ahead.launched(metrics["micro_step"])
@@ -208,7 +204,82 @@ class TrainStep:
         """The lowered step for this state and batch (e.g. `.compile().as_text()` to read the HLO)."""
         self._check_state(state)
         batch = self.shard_batch(batch)
-        return self._step.lower(self._sized(state, batch), batch)
+        return self._step.lower(self._first.sized(state, batch), batch)
+
+
+class _FirstCall:
+    """What the step settles on its first call, once aux's and the model state's structures are known:
+    the accumulator's aux sums sized, and the model state the loss hands back checked."""
+
+    def __init__(self, layout, mesh, declared_loss: Callable, loss: Callable, options: StepOptions):
+        self.layout, self.mesh, self._declared_loss, self._loss, self.options = (layout, mesh, declared_loss, loss,
+                                                                                  options)
+        self.model_state_checked = not options.has_state
+
+    def sized(self, state: TrainState, placed) -> TrainState:
+        """`state` with the accumulator's aux sums sized from aux's structure (traced on the mesh)."""
+        if state.accum is None or state.accum.aux is not UNSIZED:
+            return state
+        one = jax.eval_shape(self.layout.canonical, state.replace(accum=None))
+        aux = aux_shapes(self._loss, self.mesh, one.params, one.model_state, self.layout.device_batch(placed))
+        empty = jax.jit(lambda: self.layout.empty_accum(one.params, aux), out_shardings=self.layout.state_shardings.accum)
+        return state.replace(accum=empty())
+
+    def check_model_state(self, state: TrainState, placed) -> None:
+        """First call: the loss must hand back the model state in the structure it was given, and
+        (sync_batchnorm=True) equal on every device, or averaging it would not be one device's step.
+
+        The agreement check runs the loss's forward pass once more on this batch, compiled once:
+        about the cost of compiling the forward pass, on the first call only.
+        """
+        if not jax.tree.leaves(state.model_state):
+            self.model_state_checked = True
+            return
+        one = self.layout.canonical(state.replace(accum=None))  # one copy, params whole (FSDP keeps slices)
+        batch = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), placed) if state.stacked else placed
+        returned = aux_shapes(self._declared_loss, self.mesh, one.params, one.model_state,
+                              self.layout.device_batch(placed), part=1)
+        check_structure(one.model_state, returned)
+        if self.options.sync_batchnorm:
+            spread, scale = spread_over_devices(self._loss, self.mesh, one.params, one.model_state, batch, one.rng,
+                                                one.micro_step)
+            check_agreement(spread, scale, self.mesh.axis_names[0])
+        self.model_state_checked = True
+
+
+class _Placement:
+    """The host side of the step's batches: each one checked, split into micro-batches and placed on
+    the devices (a process's slice of a global array in a multi-process run)."""
+
+    def __init__(self, mesh, layout, options: StepOptions, local_devices: int, multi_process: bool):
+        self.mesh, self.layout, self.options = mesh, layout, options
+        self.local_devices, self.multi_process = local_devices, multi_process
+        self._placed = weakref.WeakValueDictionary()  # arrays `place` produced, by id
+
+    def place(self, batch):
+        """`batch` validated and placed on the devices (`TrainStep.shard_batch`)."""
+        leaves = jax.tree.leaves(batch)
+        if leaves and all(self._placed.get(id(x)) is x for x in leaves):
+            return batch  # this step's shard_batch placed it already: use it as is
+        n = self.local_devices
+        check_batch(batch, n, self.options.mask_key, "this process's" if self.multi_process else "")
+        if self.multi_process:
+            placed = jax.tree.map(lambda x: jax.make_array_from_process_local_data(batch_sharded(self.mesh),
+                                                                                   np.asarray(x)), batch)
+        else:
+            placed = self.layout.place_batch(batch, n)
+        for x in jax.tree.leaves(placed):  # remembered weakly, so pre-staged batches skip this next time
+            self._placed[id(x)] = x
+        return placed
+
+    def micro_batches(self, global_batch) -> list:
+        """The M micro-batches of a global batch (`TrainStep.micro_batches`)."""
+        size, m, n = batch_rows(global_batch), self.options.accum_steps, self.local_devices
+        if size % (m * n):
+            raise ValueError(f"global batch size {size} is not accum_steps × devices × b = {m} × {n} × b "
+                             f"for any whole b; use a multiple of {m * n}.")
+        b = size // m
+        return [jax.tree.map(lambda x: x[k * b:(k + 1) * b], global_batch) for k in range(m)]
 
 
 def step_optimizer(optimizer, o: StepOptions, n: int) -> optax.GradientTransformation:
@@ -287,50 +358,30 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation |
         `loss_fn(params, model_state, batch[, rng]) -> (loss, new_model_state)`, or with has_aux
         `(loss, (aux, new_model_state))`. The new state is averaged over devices each call (a
         no-op for synchronised BatchNorm, whose statistics already agree).
-      mask_key: a batch entry of 1/0 weights marking real/padded examples. When present, loss_fn
-        must return `sum(mask · per-example loss) / b` and jdp rescales so that loss, gradient
-        and aux are means over the real examples only (exact for accum_steps=1 and "last").
+      mask_key: a batch entry of 1/0 weights marking real/padded examples (`jdp.core.step`'s docstring).
       accum_steps: M, the micro-batches per optimizer step. Each call takes one micro-batch; the
         params change on every M-th call, by the step one device would take on all M·N·b examples.
       accum_sync: "every" (optax.MultiSteps; an all-reduce on every call) or "last" (local sums;
         one all-reduce per optimizer step, on the call that applies the update).
-      skip_nonfinite: an optimizer step whose reduced gradient (with accum_steps > 1: the mean of
-        its M micro-gradients), or the params or optimizer state it would produce, holds a NaN/Inf
-        is skipped on every device (params and optimizer state unchanged); `state.skipped` counts
-        them, `state.skip_streak` counts consecutive ones, and metrics report `skipped`.
+      skip_nonfinite: skip, on every device, an optimizer step whose gradient or result holds a
+        NaN/Inf; `state.skipped` and `state.skip_streak` count them (`jdp.core.step`'s docstring).
       grad_norm: report the global L2 norm of the step's reduced gradient as
         `metrics["grad_norm"]` (float32). It reads the whole gradient once more; False leaves it out.
-      precision: "float32" or "bfloat16" ("fp32"/"bf16", or the jnp dtypes): with bfloat16, loss_fn
-        runs on bf16 copies of the params and of the batch's float leaves (not the mask), so its
-        forward and backward compute in bf16, while the params (master weights), optimizer and model
-        state, the gradient reaching the optimizer, the loss and aux stay float32. Compute softmax
-        and cross-entropy on float32 logits (jdp's models return them). float16 is refused: it
-        needs loss scaling.
+      precision: "float32" or "bfloat16" ("fp32"/"bf16", or the jnp dtypes): the dtype loss_fn's
+        forward and backward compute in, on float32 master params (`jdp.core.step`'s docstring). float16 is refused.
       reduce_dtype: the dtype the gradient is all-reduced in; None (default) keeps the gradient's
-        own. "bfloat16" halves the all-reduce's bytes (each device divides by N before the sum, so
-        it cannot overflow; the mean is cast back to float32 for the optimizer) at the cost of
-        rounding the gradient to bf16 (`jdp explain` measures it).
+        own; "bfloat16" halves the all-reduce's bytes (`jdp.core.step`'s docstring).
       shard_optimizer_state: ZeRO stage 1 (shard_map only): each device keeps 1/N of the optimizer
-        state (params stay replicated); the gradient is reduce-scattered, each device updates its
-        slice of the params, and an all-gather gives every device the whole new params: the same
-        ring traffic as the all-reduce, the same step (`jdp.zero`). The optimizer must be
-        elementwise (checked; global-norm clipping through `OptimizerSpec(clip_norm=...)` is
-        exact). Checkpoints (`canonical`) are the same as the replicated layout's.
-      shard_params: fully sharded data parallel (ZeRO-3; shard_map only; implies
-        shard_optimizer_state): between steps each device keeps 1/N of every params leaf too. Each
-        call all-gathers the params (one all-gather per leaf) for the forward and backward pass,
-        reduce-scatters the gradient and updates this device's slice (`jdp.fsdp`): the same ring
-        traffic as the all-reduce per call, the same step. `jdp.get_params(state)` and
-        `canonical` give the params whole, in their shapes; checkpoints are the replicated ones.
+        state; the same step, the same ring traffic (`jdp.core.step`'s docstring, `jdp.zero`).
+      shard_params: fully sharded data parallel (shard_map only; implies shard_optimizer_state):
+        each device keeps 1/N of every params leaf too (`jdp.core.step`'s docstring, `jdp.fsdp`).
       axis_name: the name of the mesh axis the step binds and reduces over (default "data"). Code
         that already reduces over its own axis, e.g. Flax's examples with `nn.BatchNorm(axis_name=
         'batch')` or `lax.pmean(x, 'batch')` inside the loss, runs unchanged with `axis_name='batch'`;
         a loss that reduces over an axis the step does not bind is refused, naming both.
       sync_batchnorm: has_state only. True (default): the new model state must come out of the loss
-        the same on every device (synchronised BatchNorm); the first call checks it and refuses
-        per-device statistics, naming the leaf. False accepts per-device statistics, averaged over
-        the devices each call (PyTorch DDP without SyncBatchNorm): NOT one device's step. Either
-        way the new state must have the structure, shapes and dtypes of the state given.
+        the same on every device (checked on the first call); False averages per-device statistics,
+        which is NOT one device's step (`jdp.core.step`'s docstring).
 
     Returns:
       A `TrainStep`: `state = step.init(params)`, `state, metrics = step(state, batch)` where the

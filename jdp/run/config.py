@@ -284,13 +284,18 @@ def run_identity(config: Config) -> dict[str, dict[str, Any]]:
     return d
 
 
+def identity_hash(identity: dict) -> str:
+    """sha256 (hex) of the canonical JSON (sorted keys) of a run identity."""
+    canonical = json.dumps(identity, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
 def config_hash(config: Config) -> str:
     """sha256 (hex) of the canonical JSON (sorted keys) of `run_identity(config)`."""
-    canonical = json.dumps(run_identity(config), sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode()).hexdigest()
+    return identity_hash(run_identity(config))
 
 
 __all__ = ["ADDED_DEFAULTS", "ATTENTIONS", "Config", "ConfigError", "DATASETS", "DataConfig", "HASH_EXCLUDED",
            "MODELS", "MODEL_DATA", "ModelConfig", "OptimConfig", "PLACEMENT_ONLY", "ParallelConfig", "SECTIONS",
            "TrainConfig", "apply_overrides", "config_from_dict", "config_hash", "field_docs",
-           "load_config", "run_identity", "schedule_uses_steps", "validate"]
+           "identity_hash", "load_config", "run_identity", "schedule_uses_steps", "validate"]

@@ -10,14 +10,15 @@ from dataclasses import dataclass
 
 import jax
 
-from jdp.run.checkpoint import CheckpointMismatchError, Checkpointer, with_data_digest
-from jdp.run.config import ADDED_DEFAULTS, HASH_EXCLUDED, Config, config_hash, run_identity, schedule_uses_steps, validate
-from jdp.data import make_batches
-from jdp.run.distributed import agree, any_process
 from jdp.core.evaluate import evaluate, make_eval_step
+from jdp.core.step import get_params, make_train_step
+from jdp.data import make_batches
+from jdp.run.checkpoint import CheckpointMismatchError, Checkpointer
+from jdp.run.config import Config, validate
+from jdp.run.distributed import agree, any_process
+from jdp.run.facts import RunFacts, itstime
 from jdp.run.lock import locked_workdir
 from jdp.run.metrics import MetricsWriter, load_metrics, peak_flops, plot_metrics, step_flops
-from jdp.core.step import get_params, make_train_step
 from jdp.run.tasks import Task, build_task
 from jdp.run.workfiles import refuse_symlink
 
@@ -86,12 +87,6 @@ def _exit_zero(signum, frame):
     os._exit(0)
 
 
-def itstime(step: int, every: int, total: int) -> bool:
-    """Whether optimizer step `step` (1-based) is one to act on: every `every` steps and at the last
-    step, `total`; `every=0` means only at the last. One rule for logging, evaluation and checkpoints."""
-    return step == total or (every > 0 and step % every == 0)
-
-
 def train(config: Config, workdir: str, *, devices=None, log=print, progress: bool = True,
           stop_after: int | None = None, tensorboard: bool = False, fallback_to_intact: bool = False,
           task: Task | None = None, allow_cpu: bool = False) -> TrainResult:
@@ -120,74 +115,91 @@ def train(config: Config, workdir: str, *, devices=None, log=print, progress: bo
     checkpoint is refused (ValueError) unless `fallback_to_intact`, which resumes from the newest
     intact one; a state holding NaN/Inf is never checkpointed (`jdp.run.checkpoint.NonFiniteStateError`).
     """
-    # Setup: devices, task, step, data. Nothing is written before the workdir is locked.
     if not workdir:
         raise ValueError("--workdir '' is empty; name the run's directory (or leave --workdir out for "
                          "runs/<config name>).")
+    facts = RunFacts.of(config, devices, stop_after=stop_after, fallback_to_intact=fallback_to_intact)
     # Every process must take the same collectives at the same steps: agree on what decides them
     # (and on the run) before anything else touches the devices.
-    agree(schedule_facts(config, devices, stop_after=stop_after, fallback_to_intact=fallback_to_intact))
+    agree(facts.agreed)
     devices = _checked_devices(config, devices, workdir, allow_cpu, log)
-    p, t = config.parallel, config.train
-    task = task or build_task(config)
-    spec = config.optimizer_spec()  # the optax chain (schedule included) and the lr it logs
-    step = make_train_step(task.loss_fn, spec, backend=p.backend, reduction=p.reduction,
-                           lr_correction=p.lr_correction, devices=devices, has_aux=True, needs_rng=True,
-                           has_state=True, accum_steps=p.accum_steps, accum_sync=p.accum_sync,
-                           skip_nonfinite=t.max_nonfinite > 0, precision=t.precision, reduce_dtype=p.reduce_dtype,
-                           shard_optimizer_state=p.shard_optimizer_state, shard_params=p.shard_params,
-                           sync_batchnorm=task.sync_batchnorm)
-    # ... and on the data each builds (a file that differs between hosts): the training set decides
-    # the batches, the held-out set how many evaluation batches reduce over the devices.
-    agree({"train_examples": len(task.train), "test_examples": 0 if task.test is None else len(task.test)})
-    d = config.data
-    batches = make_batches(task.train, d.batch_size, seed=t.seed, drop_last=d.drop_last, threads=d.threads,
-                           workers=d.workers, transform=task.transform, process_index=jax.process_index(),
-                           num_processes=jax.process_count())
-    state = step.init(task.params, task.model_state, seed=t.seed)
-    run = {"identity": with_data_digest(run_identity(config), task.train), "config": config.to_dict(),
-           "devices": len(devices)}
-    eval_step = make_eval_step(task.metric_fn, step.mesh) if task.test is not None else None
-
+    parts = _Parts.build(config, task or build_task(config), devices, facts)
     # Exits in reverse order: files closed and the last checkpoint write awaited, then the workdir
     # released, all while the signals are still handled (a SIGTERM then cannot kill the write).
     with StopSignals() as signals, locked_workdir(workdir, log), contextlib.ExitStack() as cleanup:
-        cleanup.callback(batches.close)
+        cleanup.callback(parts.batches.close)
         refuse_symlink(os.path.join(workdir, "checkpoints"), "the checkpoint directory")
-        checkpoints = Checkpointer(os.path.join(workdir, "checkpoints"), keep=t.keep_checkpoints)
+        checkpoints = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.train.keep_checkpoints)
         cleanup.callback(checkpoints.close)
         # Resume: the newest complete checkpoint, if any (refused, untouched, if from another run).
-        state, resumed_from = _resume(checkpoints, step, state, batches, run, config, log, fallback_to_intact)
+        state, resumed_from = _resume(checkpoints, parts, log, fallback_to_intact)
         start = resumed_from or 0
-        end = t.steps if stop_after is None else min(t.steps, start + stop_after)
-        writer = MetricsWriter(workdir, total=t.steps, start=start, log=log, progress=progress,
+        end = facts.steps if stop_after is None else min(facts.steps, start + stop_after)
+        writer = MetricsWriter(workdir, total=facts.steps, start=start, log=log, progress=progress,
                                tensorboard=tensorboard, active=jax.process_index() == 0)  # process 0 alone writes
-        writer.log(_describe(task, config, devices, start, end))
+        writer.log(_describe(parts.task, config, devices, start, end))
         cleanup.enter_context(writer)
-        loop = _Loop(config, spec, step, task, eval_step, batches, checkpoints, writer, run, signals, devices)
+        loop = _Loop(config, parts, checkpoints, writer, signals, devices)
         t0 = time.perf_counter()
         state, end = loop.run(state, start, end)
     return TrainResult(end, resumed_from, loop.preempted, loop.final_loss, loop.eval_metrics,
                        time.perf_counter() - t0, get_params(state))
 
 
+@dataclass(frozen=True)
+class _Parts:
+    """What one invocation trains with: the task, its step and optimizer spec, the batches, the first
+    state, the evaluation step and the run's facts (with its data's digest)."""
+
+    task: Task
+    spec: object  # the optax chain (schedule included) and the lr it logs
+    step: object
+    batches: object
+    state: object
+    eval_step: object  # None without a held-out set
+    facts: RunFacts
+
+    @classmethod
+    def build(cls, config: Config, task: Task, devices: list, facts: RunFacts) -> _Parts:
+        p, t, d = config.parallel, config.train, config.data
+        spec = config.optimizer_spec()
+        step = make_train_step(task.loss_fn, spec, backend=p.backend, reduction=p.reduction,
+                               lr_correction=p.lr_correction, devices=devices, has_aux=True, needs_rng=True,
+                               has_state=True, accum_steps=p.accum_steps, accum_sync=p.accum_sync,
+                               skip_nonfinite=t.max_nonfinite > 0, precision=t.precision,
+                               reduce_dtype=p.reduce_dtype, shard_optimizer_state=p.shard_optimizer_state,
+                               shard_params=p.shard_params, sync_batchnorm=task.sync_batchnorm)
+        # ... and on the data each builds (a file that differs between hosts): the training set decides
+        # the batches, the held-out set how many evaluation batches reduce over the devices.
+        facts = facts.with_data(task.train, task.test)
+        agree(facts.data_sizes())
+        batches = make_batches(task.train, d.batch_size, seed=t.seed, drop_last=d.drop_last, threads=d.threads,
+                               workers=d.workers, transform=task.transform, process_index=jax.process_index(),
+                               num_processes=jax.process_count())
+        state = step.init(task.params, task.model_state, seed=t.seed)
+        eval_step = make_eval_step(task.metric_fn, step.mesh) if task.test is not None else None
+        return cls(task, spec, step, batches, state, eval_step, facts)
+
+
 class _Loop:
     """The training loop of one invocation: step, log, checkpoint, evaluate; the only host syncs are
     at log and eval steps."""
 
-    def __init__(self, config, spec, step, task, eval_step, batches, checkpoints, writer, run, signals, devices):
-        self.config, self.spec, self.step, self.task, self.eval_step = config, spec, step, task, eval_step
-        self.batches, self.checkpoints, self.writer, self.run_info, self.signals = (batches, checkpoints, writer,
-                                                                                   run, signals)
+    def __init__(self, config, parts: _Parts, checkpoints, writer, signals, devices):
+        self.config, self.spec, self.step, self.task, self.eval_step = (config, parts.spec, parts.step, parts.task,
+                                                                        parts.eval_step)
+        self.facts, self.batches, self.checkpoints, self.writer, self.signals = (parts.facts, parts.batches,
+                                                                                 checkpoints, writer, signals)
+        self.run_info = parts.facts.checkpoint_run()
         self.peak = (peak_flops(devices[0].device_kind) or 0.0) * len(devices)  # all devices' peak; 0: unknown
         # One process alone decides nothing: the stop request is all-gathered every `check_every` steps.
-        self.check_every = 1 if jax.process_count() == 1 else max(1, min(config.train.log_every, 10))
+        self.check_every = parts.facts.stop_check_every(jax.process_count())
         self.final_loss, self.eval_metrics, self.preempted, self.saved = None, {}, False, None
 
     def run(self, state, start: int, end: int) -> tuple:
         """Train steps `start + 1 .. end`; returns (state, the step it ended at). A run complete
         before it starts trains nothing and repeats its held-out result, from the restored state."""
-        t, throughput = self.config.train, _Throughput(start)
+        facts, throughput = self.facts, _Throughput(start)
         if start == end and self.eval_step is not None:
             self.eval_metrics = self.evaluate(state, start)
         for s in range(start + 1, end + 1):
@@ -197,9 +209,9 @@ class _Loop:
             if s == start + 1:  # once compiled: the step's FLOPs, per optimizer step, all devices
                 flops_per_step = step_flops(self.step, state, micro)
             record = {"step": s}
-            if itstime(s, t.log_every, end):
+            if facts.logs_at(s, end):
                 m = jax.device_get(metrics)
-                _check_finite(s, m, t.max_nonfinite)
+                _check_finite(s, m, self.config.train.max_nonfinite)
                 record |= _train_record(m, state, lr=self.spec.learning_rate(s - 1),
                                         samples=self.config.data.batch_size, steps_per_s=throughput(s),
                                         flops_per_step=flops_per_step, peak=self.peak)
@@ -208,11 +220,11 @@ class _Loop:
             # Checkpoint before evaluating: all processes stop at the same step, and the last checkpoint
             # of a run is durable (awaited) before anything else can fail or say it exists.
             stop = s % self.check_every == 0 and any_process(self.signals.requested is not None)
-            if itstime(s, t.checkpoint_every, end) or stop:
+            if facts.checkpoints_at(s, end) or stop:
                 self.save(s, state, wait=stop or s == end)
             with self.saved_on_failure(s, state):
                 self.writer.write(record)  # before evaluating: an evaluation that fails cannot lose it
-                if self.eval_step is not None and not stop and itstime(s, t.eval_every, end):
+                if self.eval_step is not None and not stop and facts.evaluates_at(s, end):
                     self.eval_metrics = self.evaluate(state, s)
                     self.writer.write({"step": s} | {f"eval_{k}": v for k, v in self.eval_metrics.items()})
             if stop:
@@ -260,79 +272,35 @@ class _Loop:
             raise
 
 
-def _resume(checkpoints: Checkpointer, step, state, batches, run: dict, config: Config, log,
-            fallback_to_intact: bool) -> tuple:
+def _resume(checkpoints: Checkpointer, parts: _Parts, log, fallback_to_intact: bool) -> tuple:
     """(state, its step) from the newest complete checkpoint, with the data position restored;
-    (state, None) without one. Another run's checkpoint, or one past train.steps, is refused and
-    left untouched."""
-    if checkpoints.latest_step() is None:
-        return state, None
-    state, data_state, resumed_from = checkpoints.restore(step, state, _compared_run(checkpoints, run, config),
+    (parts.state, None) without one. Another run's checkpoint, or one past train.steps, is refused
+    and left untouched."""
+    facts, latest = parts.facts, checkpoints.latest_step()
+    if latest is None:
+        return parts.state, None
+    try:
+        run = facts.compared_with(checkpoints.run_info(latest)["run"]["identity"], checkpoints.directory)
+    except ValueError as e:  # damaged or unreadable: restore() says so, or falls back to an intact one
+        if isinstance(e, CheckpointMismatchError):
+            raise
+        run = facts.checkpoint_run()
+    state, data_state, resumed_from = checkpoints.restore(parts.step, parts.state, run,
                                                           fallback_to_intact=fallback_to_intact, log=log)
-    if resumed_from > config.train.steps:
-        raise ValueError(f"train.steps={config.train.steps} is fewer than the {resumed_from} steps that checkpoint "
+    if resumed_from > facts.steps:
+        raise ValueError(f"train.steps={facts.steps} is fewer than the {resumed_from} steps that checkpoint "
                          f"{resumed_from} in {checkpoints.directory!r} has already trained; use --steps "
                          f"{resumed_from} or more to continue that run, or another --workdir.")
-    batches.set_state(data_state)
+    parts.batches.set_state(data_state)
     log(f"resumed from step {resumed_from} in {checkpoints.directory}")  # every process restores, and says so
     return state, resumed_from
 
 
-def _compared_run(checkpoints: Checkpointer, run: dict, config: Config) -> dict:
-    """`run` as the newest checkpoint's identity is to be compared with it; a change of train.steps
-    alone, where the schedule uses it, is refused here with the reason.
-
-    Checkpoints of a jdp that always counted train.steps hold it also for a constant schedule:
-    their number is taken as this run's, so that they too may be extended; checkpoints from before
-    train.precision and the other `ADDED_DEFAULTS` fields resume where the run keeps those defaults.
-    """
-    try:
-        saved = checkpoints.run_info(checkpoints.latest_step())["run"]["identity"]
-    except ValueError:  # damaged or unreadable: restore() says so, or falls back to an intact one
-        return run
-    steps, saved_steps = config.train.steps, saved.get("train", {}).get("steps")
-    identity = _as_in_older_checkpoint(run["identity"], saved)
-    run = {**run, "identity": identity}
-    same_but_steps = {**identity, "train": {**identity["train"], "steps": saved_steps}}
-    if saved_steps is None or same_but_steps != saved:
-        return run  # nothing to say about train.steps; restore() names any difference
-    if saved_steps != steps and schedule_uses_steps(config):
-        raise CheckpointMismatchError(
-            f"train.steps={steps} differs from the run's {saved_steps} in {checkpoints.directory!r}, and "
-            f"optim.schedule={config.optim.schedule!r} decays the learning rate to 0 at train.steps, so every "
-            f"step's learning rate would change; use --steps {saved_steps}, or another --workdir to train "
-            f"{steps} steps.")
-    return {**run, "identity": same_but_steps}
-
-
-def _as_in_older_checkpoint(identity: dict, saved: dict) -> dict:
-    """`identity` without the fields a checkpoint of an earlier jdp lacks (`ADDED_DEFAULTS`) where
-    this run keeps the value that jdp trained with; any other value still differs, and is refused."""
-    identity = {section: dict(values) for section, values in identity.items()}
-    for dotted, value in ADDED_DEFAULTS.items():
-        section, key = dotted.split(".")
-        if key not in saved.get(section, {}) and identity.get(section, {}).get(key, value) == value:
-            identity.get(section, {}).pop(key, None)
-    return identity
-
-
 def schedule_facts(config: Config, devices=None, *, stop_after: int | None = None,
                    fallback_to_intact: bool = False) -> dict:
-    """What every process of a multi-process run must agree on before its first step (`jdp.run.distributed.agree`).
-
-    The run (`config_hash`), and every field that decides when a process enters a collective:
-    logging and the stop-request check (train.log_every), checkpoints (train.checkpoint_every,
-    keep_checkpoints), evaluations (train.eval_every, data.eval_batch_size), the step count
-    (train.steps, `stop_after`), the non-finite stop (train.max_nonfinite), the layout
-    (parallel.shard_optimizer_state), the fallback's moves (`fallback_to_intact`), and the global and
-    this process's device counts. Keys are the config's dotted names, so a refusal names the field.
-    """
-    devices = list(devices or jax.devices())[:config.parallel.devices or None]
-    d = config.to_dict()
-    facts = {dotted: d[dotted.split(".")[0]][dotted.split(".")[1]] for dotted in HASH_EXCLUDED}
-    mine = sum(getattr(x, "process_index", 0) == jax.process_index() for x in devices)
-    return facts | {"config": config_hash(config), "train.steps": config.train.steps, "stop_after": stop_after,
-                    "fallback_to_intact": fallback_to_intact, "devices": len(devices), "local devices": mine}
+    """What every process of a multi-process run must agree on before its first step
+    (`jdp.run.distributed.agree`): `RunFacts.of(...).agreed`, whose docstring lists the fields."""
+    return RunFacts.of(config, devices, stop_after=stop_after, fallback_to_intact=fallback_to_intact).agreed
 
 
 def meant_for_accelerators(config: Config, devices) -> bool:
