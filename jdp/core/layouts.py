@@ -61,11 +61,11 @@ class ShardMapLayout:
         """`(grads, means)` reduced in one all-reduce: `reduce_step_values`' scales."""
         return reduce_step_values(grads, means, o.reduction, o.reduce_dtype, self.axis)
 
-    def own(self, params):
-        return params
+    def _as_is(self, value):
+        """`value` unchanged: in this layout every device holds it whole already."""
+        return value
 
-    def gather(self, params):
-        return params
+    own = gather = _as_is  # the params are replicated: each device owns and sees all of them
 
     def everywhere(self, flag):
         """A replicated bool is already the same on every device."""
@@ -140,14 +140,7 @@ class PmapLayout(ShardMapLayout):
         super().__init__(mesh, accum)
         self.state_shardings = state_tree(batch_sharded(mesh), batch_sharded(mesh), accum).replace(stacked=True)
 
-    def per_device(self, params):
-        return params
-
-    def local(self, accum):
-        return accum
-
-    def shared(self, accum):
-        return accum
+    per_device = local = shared = ShardMapLayout._as_is  # pmap hands each device its own slice already
 
     def spread(self, state: TrainState) -> TrainState:
         return self._copies(state).replace(stacked=True)

@@ -150,43 +150,16 @@ def _quiet_closed_loop_callbacks() -> None:
 def cmd_train(args) -> int:
     import os
 
-    from jdp.run.config import load_config
-
     if args.workdir == "":
         raise ValueError("--workdir '' is empty; name the run's directory (or leave --workdir out for "
                          "runs/<config name>).")
-    distributed = args.coordinator is not None or args.auto_distributed
-    flags = {"parallel.devices": None if distributed else args.devices, "train.steps": args.steps,
-             "train.log_every": args.log_every, "train.checkpoint_every": args.checkpoint_every}
-    overrides = [*args.set, *(f"{k}={v}" for k, v in flags.items() if v is not None)]
-    config = load_config(args.config, overrides)  # fails on a bad config before any device is set up
-    if distributed:
-        from jdp.cpu import use_cpu_devices
-        from jdp.run.distributed import initialize
-
-        if config.parallel.devices:
-            raise ValueError("parallel.devices cannot be set in a multi-process run: every process's devices "
-                             "join; --devices sets each process's (fake CPU) device count.")
-        use_cpu_devices(args.devices or 1)  # CPU-only machines: fake devices per process
-        initialize(args.coordinator, args.num_processes, args.process_id, timeout_s=args.init_timeout,
-                   heartbeat_s=args.heartbeat_timeout)
-        import jax
-
-        devices = jax.devices()
-    else:
-        if args.num_processes or args.process_id is not None:
-            raise ValueError("--num-processes and --process-id need --coordinator HOST:PORT.")
-        devices = _devices(config.parallel.devices)
-
-    import jax
-    import numpy as np
-
+    config, devices = _train_config_and_devices(args)
+    # Imported once the devices are set up: the fake CPU devices must be asked for before jax starts.
     from jdp.run.checkpoint import CheckpointWriteError, NonFiniteStateError
     from jdp.run.train import EvaluationOutOfMemoryError, NonFiniteError, train
 
     allow_cpu = _cpu_asked_for(args, config, devices)
     _quiet_closed_loop_callbacks()
-
     name = os.path.splitext(os.path.basename(args.config))[0] if args.config else "digits_mlp"
     workdir = os.path.join("runs", name) if args.workdir is None else args.workdir
     try:
@@ -210,8 +183,46 @@ def cmd_train(args) -> int:
         print(f"jdp: error: the disk is full ({e.strerror}{where}); every checkpoint already saved is intact: free "
               f"some space and rerun the same command to resume.", file=sys.stderr)
         return 1
+    _print_result(result, config, workdir)
+    return 0
+
+
+def _train_config_and_devices(args) -> tuple:
+    """`jdp train`'s config (file, --set and the flags) and devices: this process's own, or every
+    process's once jax.distributed is initialised (--coordinator, --auto-distributed)."""
+    from jdp.run.config import load_config
+
+    distributed = args.coordinator is not None or args.auto_distributed
+    flags = {"parallel.devices": None if distributed else args.devices, "train.steps": args.steps,
+             "train.log_every": args.log_every, "train.checkpoint_every": args.checkpoint_every}
+    overrides = [*args.set, *(f"{k}={v}" for k, v in flags.items() if v is not None)]
+    config = load_config(args.config, overrides)  # fails on a bad config before any device is set up
+    if not distributed:
+        if args.num_processes or args.process_id is not None:
+            raise ValueError("--num-processes and --process-id need --coordinator HOST:PORT.")
+        return config, _devices(config.parallel.devices)
+    from jdp.cpu import use_cpu_devices
+    from jdp.run.distributed import initialize
+
+    if config.parallel.devices:
+        raise ValueError("parallel.devices cannot be set in a multi-process run: every process's devices "
+                         "join; --devices sets each process's (fake CPU) device count.")
+    use_cpu_devices(args.devices or 1)  # CPU-only machines: fake devices per process
+    initialize(args.coordinator, args.num_processes, args.process_id, timeout_s=args.init_timeout,
+               heartbeat_s=args.heartbeat_timeout)
+    import jax
+
+    return config, jax.devices()
+
+
+def _print_result(result, config, workdir: str) -> None:
+    """The run's last console line (process 0): how far it got, the held-out metrics, the workdir;
+    the params themselves for tiny models (the seed examples)."""
+    import jax
+    import numpy as np
+
     if jax.process_index():
-        return 0
+        return
     evals = "  ".join(f"{k} {v:.4f}" for k, v in result.eval.items())
     if result.resumed_from == result.steps == config.train.steps:  # nothing left to train
         head = f"the run is complete ({result.steps} of {config.train.steps} steps, trained earlier)"
@@ -221,8 +232,8 @@ def cmd_train(args) -> int:
     print(head + (f"; held-out {evals}" if evals else "") + f"; workdir {workdir}")
     leaves = jax.tree_util.tree_leaves_with_path(result.params)
     if sum(np.size(v) for _, v in leaves) <= 8:  # tiny models (the seed examples): show the params
-        print("params: " + ", ".join(f"{jax.tree_util.keystr(k)} = {np.round(np.asarray(v, np.float64), 6).tolist()}" for k, v in leaves))
-    return 0
+        print("params: " + ", ".join(f"{jax.tree_util.keystr(k)} = {np.round(np.asarray(v, np.float64), 6).tolist()}"
+                                     for k, v in leaves))
 
 
 def cmd_plot(args) -> int:
