@@ -366,11 +366,11 @@ MUTANTS = [
            "",  # any step-named directory is deleted, someone else's included
            ("tests/test_workdir_files.py", "-k", "rotation")),
     # Multi-process: what decides the collective schedule, and each process's device count, agreed.
-    Mutant("schedule_not_agreed", "run/train.py",
-           'facts = {dotted: d[dotted.split(".")[0]][dotted.split(".")[1]] for dotted in HASH_EXCLUDED}',
-           "facts = {}",  # a different --checkpoint-every deadlocks at the first checkpoint
+    Mutant("schedule_not_agreed", "run/facts.py",
+           'agreed = {dotted: d[dotted.split(".")[0]][dotted.split(".")[1]] for dotted in HASH_EXCLUDED}',
+           "agreed = {}",  # a different --checkpoint-every deadlocks at the first checkpoint
            ("tests/test_multiprocess.py", "-k", "another_schedule")),
-    Mutant("local_devices_not_agreed", "run/train.py",
+    Mutant("local_devices_not_agreed", "run/facts.py",
            '"devices": len(devices), "local devices": mine}',
            '"devices": len(devices)}',  # 2 + 4 devices pass as 6 and fail later in a reshape
            ("tests/test_multiprocess.py", "-k", "another_schedule")),
