@@ -7,6 +7,11 @@ and does the host side: the initial state, placing batches, bounding how far the
 
 The options of `make_train_step` that need more than a line:
 
+`lr_correction`: only with reduction="sum". "auto" (the default there) scales every update by 1/N,
+i.e. lr/N: exact for SGD/momentum, not for Adam (ε) or clipping. "none" keeps the raw sum. "exact"
+(needs an OptimizerSpec) changes the spec's scale-dependent hyperparameters instead
+(`jdp.exact_sum_spec`), which makes sum equal mean for every spec.
+
 `mask_key`: a batch entry of 1/0 weights marking real/padded examples. When present, loss_fn must
 return `sum(mask · per-example loss) / b` and jdp rescales so that loss, gradient and aux are means
 over the real examples only (exact for accum_steps=1 and "last").
@@ -40,6 +45,11 @@ all-gather per leaf) for the forward and backward pass, reduce-scatters the grad
 this device's slice (`jdp.fsdp`): the same ring traffic as the all-reduce per call, the same step.
 `jdp.get_params(state)` and `canonical` give the params whole, in their shapes; checkpoints are the
 replicated ones.
+
+`axis_name`: the name of the mesh axis the step binds and reduces over (default "data"). Code that
+already reduces over its own axis, e.g. Flax's examples with `nn.BatchNorm(axis_name= 'batch')` or
+`lax.pmean(x, 'batch')` inside the loss, runs unchanged with `axis_name='batch'`; a loss that
+reduces over an axis the step does not bind is refused, naming both.
 
 `sync_batchnorm`: has_state only. True (default): the new model state must come out of the loss the
 same on every device (synchronised BatchNorm); the first call checks it and refuses per-device
@@ -222,7 +232,8 @@ class _FirstCall:
             return state
         one = jax.eval_shape(self.layout.canonical, state.replace(accum=None))
         aux = aux_shapes(self._loss, self.mesh, one.params, one.model_state, self.layout.device_batch(placed))
-        empty = jax.jit(lambda: self.layout.empty_accum(one.params, aux), out_shardings=self.layout.state_shardings.accum)
+        empty = jax.jit(lambda: self.layout.empty_accum(one.params, aux),
+                        out_shardings=self.layout.state_shardings.accum)
         return state.replace(accum=empty())
 
     def check_model_state(self, state: TrainState, placed) -> None:
@@ -347,18 +358,16 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation |
       backend: "shard_map" (jit over a 1-D mesh) or "pmap".
       reduction: "mean" (`lax.pmean`: the gradient of the global-batch mean loss) or "sum"
         (`lax.psum`: N times that gradient).
-      lr_correction: only with reduction="sum". "auto" (the default there) scales every update by
-        1/N, i.e. lr/N: exact for SGD/momentum, not for Adam (ε) or clipping. "none" keeps the raw
-        sum. "exact" (needs an OptimizerSpec) changes the spec's scale-dependent hyperparameters
-        instead (`jdp.exact_sum_spec`), which makes sum equal mean for every spec.
+      lr_correction: only with reduction="sum": "auto" (there the default: lr/N), "none" or "exact"
+        (an OptimizerSpec's scale-dependent hyperparameters changed; `jdp.core.step`'s docstring).
       devices: the devices to use (`jax.Device`s or their integer ids), default all of them.
       has_aux: `loss_fn` returns `(loss, aux)`.
       needs_rng: `loss_fn` takes a last argument, a key derived from (seed, micro-step, device).
-      has_state: the model has non-parameter state (BatchNorm statistics):
-        `loss_fn(params, model_state, batch[, rng]) -> (loss, new_model_state)`, or with has_aux
-        `(loss, (aux, new_model_state))`. The new state is averaged over devices each call (a
-        no-op for synchronised BatchNorm, whose statistics already agree).
-      mask_key: a batch entry of 1/0 weights marking real/padded examples (`jdp.core.step`'s docstring).
+      has_state: the model has non-parameter state (BatchNorm statistics): `loss_fn(params,
+        model_state, batch[, rng]) -> (loss, new_model_state)`, or `(loss, (aux, new_model_state))`
+        with has_aux; the new state is averaged over devices each call (synchronised BatchNorm's agrees).
+      mask_key: a batch entry of 1/0 weights marking real/padded examples; loss and gradient are
+        then means over the real ones (`jdp.core.step`'s docstring).
       accum_steps: M, the micro-batches per optimizer step. Each call takes one micro-batch; the
         params change on every M-th call, by the step one device would take on all M·N·b examples.
       accum_sync: "every" (optax.MultiSteps; an all-reduce on every call) or "last" (local sums;
@@ -368,17 +377,16 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation |
       grad_norm: report the global L2 norm of the step's reduced gradient as
         `metrics["grad_norm"]` (float32). It reads the whole gradient once more; False leaves it out.
       precision: "float32" or "bfloat16" ("fp32"/"bf16", or the jnp dtypes): the dtype loss_fn's
-        forward and backward compute in, on float32 master params (`jdp.core.step`'s docstring). float16 is refused.
+        forward and backward compute in, on float32 master params; float16 is refused
+        (`jdp.core.step`'s docstring).
       reduce_dtype: the dtype the gradient is all-reduced in; None (default) keeps the gradient's
         own; "bfloat16" halves the all-reduce's bytes (`jdp.core.step`'s docstring).
       shard_optimizer_state: ZeRO stage 1 (shard_map only): each device keeps 1/N of the optimizer
         state; the same step, the same ring traffic (`jdp.core.step`'s docstring, `jdp.zero`).
       shard_params: fully sharded data parallel (shard_map only; implies shard_optimizer_state):
         each device keeps 1/N of every params leaf too (`jdp.core.step`'s docstring, `jdp.fsdp`).
-      axis_name: the name of the mesh axis the step binds and reduces over (default "data"). Code
-        that already reduces over its own axis, e.g. Flax's examples with `nn.BatchNorm(axis_name=
-        'batch')` or `lax.pmean(x, 'batch')` inside the loss, runs unchanged with `axis_name='batch'`;
-        a loss that reduces over an axis the step does not bind is refused, naming both.
+      axis_name: the mesh axis the step binds and reduces over (default "data"); code that reduces
+        over its own axis ('batch') runs unchanged with it (`jdp.core.step`'s docstring).
       sync_batchnorm: has_state only. True (default): the new model state must come out of the loss
         the same on every device (checked on the first call); False averages per-device statistics,
         which is NOT one device's step (`jdp.core.step`'s docstring).

@@ -36,6 +36,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"jdp {__version__}",
                         help="print jdp's version and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_train_parser(sub)
+    _add_plot_parser(sub)
+    _add_explain_parser(sub)
+    _add_config_parser(sub)
+    return parser
+
+
+def _add_train_parser(sub) -> None:
+    """`jdp train`: a config on N devices, resumable, with the multi-process options in their own group."""
     train = sub.add_parser(
         "train", help="train a config (default: an MLP on scikit-learn's digits)",
         description="Train CONFIG (a YAML file from configs/, default: an MLP on scikit-learn's bundled digits) "
@@ -60,6 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--fallback-to-intact", action="store_true",
                        help="if the newest checkpoint is damaged, resume from the newest intact one and move the "
                        "damaged ones to DIR/checkpoints.damaged (default: refuse)")
+    _add_multi_process_args(train)
+
+
+def _add_multi_process_args(train) -> None:
+    """`jdp train`'s options for a job of several processes (jax.distributed)."""
     multi = train.add_argument_group("multi-process runs (jax.distributed; --devices is then per process)")
     multi.add_argument("--coordinator", metavar="HOST:PORT", help="address of process 0, which hosts the coordinator")
     multi.add_argument("--num-processes", type=_positive_int, metavar="P",
@@ -73,11 +87,17 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds without a heartbeat after which a process counts as gone and the others stop "
                        "(default 10); raise it for processes that may pause (a debugger, a swapping host)")
 
+
+def _add_plot_parser(sub) -> None:
+    """`jdp plot`: a run's curves as a PNG."""
     plot = sub.add_parser("plot", help="save a PNG of a run's loss and accuracy curves",
                           description="Read DIR/metrics.jsonl and write DIR/curves.png (or --out).")
     plot.add_argument("workdir", metavar="DIR", help="the run directory (jdp train's --workdir)")
     plot.add_argument("--out", metavar="FILE.png", help="where to save the PNG (default: DIR/curves.png)")
 
+
+def _add_explain_parser(sub) -> None:
+    """`jdp explain`: why jdp averages gradients, measured on fake CPU devices."""
     explain = sub.add_parser("explain", help="show, with numbers, why jdp averages gradients instead of summing",
                              description="Run jdp's step on 8 fake CPU devices and print: the seed examples "
                              "(mean vs sum), the deviation of every optimizer x clipping x reduction x N from one "
@@ -91,8 +111,6 @@ def build_parser() -> argparse.ArgumentParser:
                          help="the step's backend (default shard_map)")
     explain.add_argument("--devices", type=_device_list, default=(2, 4, 8), metavar="N,N,...",
                          help="device counts of the matrix (default 2,4,8)")
-    _add_config_parser(sub)
-    return parser
 
 
 def _add_config_parser(sub) -> None:
