@@ -336,7 +336,7 @@ MUTANTS = [
            '"properties": properties,\n            "additionalProperties": False}',
            '"properties": properties}',
            ("tests/test_config_schema.py::test_unknown_keys_and_wrong_types_are_refused",)),
-    Mutant("plot_hint_ignores_the_checkout", "run/extras.py",
+    Mutant("plot_hint_ignores_the_checkout", "extras.py",
            "root = checkout()",
            "root = None",  # always pip install 'jdp[plot]': in a source checkout pip asks the index for jdp
            ("tests/test_papercuts.py::test_plot_without_matplotlib_names_the_install_command_of_this_checkout",)),

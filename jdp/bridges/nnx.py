@@ -18,20 +18,18 @@ import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import numpy as np
 import optax
 from flax import nnx
 
+from jdp.bridges.task import Task
 from jdp.core.mesh import DATA_AXIS
 from jdp.core.state import TrainState
 from jdp.core.step import TrainStep, get_tree
 from jdp.core.step import make_train_step as make_array_step
-
-if TYPE_CHECKING:
-    from jdp.run.tasks import Task
 
 
 @dataclass(frozen=True)
@@ -144,7 +142,7 @@ def make_train_step(model: nnx.Module, loss_fn: Callable, optimizer, *, sync_bat
 def task(model: nnx.Module, loss_fn: Callable, metric_fn: Callable, train, test=None, *, has_aux: bool = False,
          needs_rng: bool = False, sync_batchnorm: bool = True, description: str | None = None,
          transform: Callable | None = None) -> Task:
-    """Your model, loss and arrays as a `jdp.run.tasks.Task`, for the full trainer:
+    """Your model, loss and arrays as a `jdp.bridges.task.Task`, for the full trainer:
     `jdp.train.train(config, workdir, task=jdp.nnx.task(...))` (checkpoints, exact resume, metrics,
     evaluation, multi-process). The config's model and data names are then not used.
 
@@ -157,7 +155,6 @@ def task(model: nnx.Module, loss_fn: Callable, metric_fn: Callable, train, test=
     example as it is read, `rng` seeded from (train.seed, epoch, index); evaluation reads `test` as is.
     """
     from jdp.data import as_source  # the trainer's pipeline: not needed for a step alone
-    from jdp.run.tasks import Task
 
     split = SplitModel.of(model, sync_batchnorm)
     _check_arity(loss_fn, 3 if needs_rng else 2, "(model, batch, rngs)" if needs_rng else "(model, batch)")

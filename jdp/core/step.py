@@ -67,8 +67,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+
 from jdp.core.algorithm import Step, batch_rows, call_loss, device_step
-from jdp.cpu import RunAhead
 from jdp.core.fsdp import FullyShardedLayout, is_shard
 from jdp.core.layouts import LAYOUTS, UNSIZED, aux_shapes
 from jdp.core.mesh import DATA_AXIS, batch_sharded, make_mesh
@@ -78,6 +78,7 @@ from jdp.core.options import StepOptions
 from jdp.core.precision import check_master_params, in_precision
 from jdp.core.state import TrainState
 from jdp.core.zero import ShardedStateLayout, check_elementwise
+from jdp.cpu import RunAhead
 
 
 class TrainStep:

@@ -16,9 +16,9 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jdp.inspect.replicas import check_replicas
 from jdp.core.step import get_tree
 from jdp.core.step import make_train_step as make_array_step
+from jdp.inspect.replicas import check_replicas
 
 # dtype: (rtol, atol). A leaf passes if max |jdp - reference| <= atol + rtol * max |reference|.
 # Summing N shards in another order moves the last bits; measured over 6 steps of an MLP with SGD,

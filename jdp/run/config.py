@@ -28,11 +28,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from jdp.run.config_sections import (ATTENTIONS, DATASETS, MODEL_DATA, MODELS, SECTIONS, DataConfig, ModelConfig,
-                                 OptimConfig, ParallelConfig, TrainConfig, step_option_key)
-from jdp.data.datasets import DIGITS_EXAMPLES, SEED_REGRESSIONS, held_out_count
 from jdp.core.optim import OptimizerSpec
 from jdp.core.options import OptionError, StepOptions
+from jdp.data.datasets import DIGITS_EXAMPLES, SEED_REGRESSIONS, held_out_count
+from jdp.run.config_sections import (ATTENTIONS, DATASETS, MODEL_DATA, MODELS, SECTIONS, DataConfig, ModelConfig,
+                                 OptimConfig, ParallelConfig, TrainConfig, step_option_key)
 from jdp.run.sections import ConfigError, field_docs, parse_override, read_yaml
 from jdp.text import quoted, shorten
 

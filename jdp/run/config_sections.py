@@ -11,11 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from jdp.data.datasets import SEED_REGRESSIONS
-from jdp.data.tokens import TOKEN_DTYPES
 from jdp.core.optim import OPTIMIZERS, SCHEDULES
 from jdp.core.options import ACCUM_SYNCS, BACKENDS, LR_CORRECTIONS, REDUCTIONS, OptionError, StepOptions
 from jdp.core.precision import ALIASES, DTYPES
+from jdp.data.datasets import SEED_REGRESSIONS
+from jdp.data.tokens import TOKEN_DTYPES
 from jdp.run.sections import (BOOL, COUNT, FRACTION, NON_NEGATIVE, PATH, POSITIVE, POSITIVE_INT, SEED, TWO_WIDTHS, UNIT,
                           WIDTHS, ConfigError, Rule, Section, one_of, or_null)
 

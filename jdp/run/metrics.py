@@ -51,7 +51,7 @@ class TensorBoard:
     """Scalars to TensorBoard event files under `workdir/tensorboard` (needs tensorboardX)."""
 
     def __init__(self, workdir: str):
-        from jdp.run.extras import require
+        from jdp.extras import require
 
         writer = require("tensorboardX", "tensorboard", "--tensorboard").SummaryWriter
         refuse_symlink(os.path.join(workdir, "tensorboard"), "the TensorBoard directory")
@@ -249,7 +249,7 @@ def curves_figure(records: list[dict], name: str | None = None):
     Evaluation series, and any series of a single record, are drawn with markers: a line through
     one point is drawn as nothing (a run of one logged step, or the first eval of a long run).
     """
-    from jdp.run.extras import require
+    from jdp.extras import require
 
     matplotlib = require("matplotlib", "plot", "jdp plot")
     matplotlib.use("Agg")

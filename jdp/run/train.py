@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import jax
 
+from jdp.bridges.task import Task
 from jdp.core.evaluate import evaluate, make_eval_step
 from jdp.core.step import get_params, make_train_step
 from jdp.data import make_batches
@@ -19,7 +20,7 @@ from jdp.run.distributed import agree, any_process
 from jdp.run.facts import RunFacts, itstime
 from jdp.run.lock import locked_workdir
 from jdp.run.metrics import MetricsWriter, load_metrics, peak_flops, plot_metrics, step_flops
-from jdp.run.tasks import Task, build_task
+from jdp.run.tasks import build_task
 from jdp.run.workfiles import refuse_symlink
 
 # load_metrics, plot_metrics: jdp.run.metrics's, kept importable from here
