@@ -374,6 +374,14 @@ MUTANTS = [
            '"devices": len(devices), "local devices": mine}',
            '"devices": len(devices)}',  # 2 + 4 devices pass as 6 and fail later in a reshape
            ("tests/test_multiprocess.py", "-k", "another_schedule")),
+    Mutant("checkpoints_at_log_steps", "run/facts.py",
+           "return itstime(step, self.checkpoint_every, end)",
+           "return itstime(step, self.log_every, end)",  # one cadence read for another
+           ("tests/test_facts.py::test_one_rule_says_which_steps_log_evaluate_and_checkpoint",)),
+    Mutant("data_digest_left_out_of_facts", "run/facts.py",
+           "identity=with_data_digest(self.identity, train),",
+           "identity=self.identity,",  # a resume on other data would pass
+           ("tests/test_facts.py::test_the_data_joins_the_identity_and_the_agreed_sizes",)),
 ]
 
 

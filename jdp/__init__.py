@@ -30,7 +30,8 @@ cpu.configure_at_import()
 # The public modules (jdp.nnx, jdp.zero, ...) too: each re-exports its subpackage's module, which
 # the names above do not need.
 _LAZY = {"restore_state": "jdp.run.checkpoint", "save_state": "jdp.run.checkpoint", "data": None, "linen": None,
-         "models": None, "nnx": None, "zero": None, "fsdp": None}
+         "models": None, "nnx": None, "zero": None, "fsdp": None, "step": None, "train": None, "config": None,
+         "testing": None}
 
 
 def __getattr__(name: str):
