@@ -216,11 +216,13 @@ class TrainConfig(Section):
     log_every: int = 50
     """Log every this many optimizer steps (and at the last)."""
     eval_every: int = 0
-    """Evaluate every this many optimizer steps; 0: only at the end."""
+    """Evaluate every this many optimizer steps (and at the last); 0: only at the end. Each evaluation
+    reads the whole held-out set."""
     checkpoint_every: int = 0
     """Checkpoint every this many optimizer steps; 0: only at the end."""
     keep_checkpoints: int = 3
-    """The most recent checkpoints kept on disk."""
+    """The most recent checkpoints kept on disk; an older one is deleted once a newer one is complete,
+    and only if jdp wrote it."""
     max_nonfinite: int = 3
     """Skip updates with NaN/Inf gradients, stopping after this many in a row; 0: never skip."""
     seed: int = 0
