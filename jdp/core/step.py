@@ -375,8 +375,7 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation |
         one all-reduce per optimizer step, on the call that applies the update).
       skip_nonfinite: skip, on every device, an optimizer step whose gradient or result holds a
         NaN/Inf; `state.skipped` and `state.skip_streak` count them (`jdp.core.step`'s docstring).
-      grad_norm: report the global L2 norm of the step's reduced gradient as
-        `metrics["grad_norm"]` (float32). It reads the whole gradient once more; False leaves it out.
+      grad_norm: report `metrics["grad_norm"]`, the reduced gradient's global L2 norm (float32; one more read).
       precision: "float32" or "bfloat16" ("fp32"/"bf16", or the jnp dtypes): the dtype loss_fn's
         forward and backward compute in, on float32 master params; float16 is refused
         (`jdp.core.step`'s docstring).

@@ -145,8 +145,7 @@ def assert_data_parallel_exact(loss_fn: Callable, optimizer, params_or_model, ba
       optimizer: an optax transformation (or, for a model, an `nnx.Optimizer`: its `tx`).
       params_or_model: a pytree of arrays, or an `nnx.Module` (never modified). A model that draws
         random numbers (Dropout) cannot match one device: make it deterministic for this test.
-      batches: global batches, each `accum_steps` × N × b examples along the leading axis; one
-        optimizer step each.
+      batches: global batches, each `accum_steps` × N × b examples along the leading axis (a step each).
       devices: the N devices, default all of `jax.devices()` (at least 2 unless given).
       backends, accum_sync: every combination is run (accum_sync only when accum_steps > 1),
         each compiled once; so is the reference.
