@@ -31,11 +31,11 @@ WORKERS = max(2, min(4, os.cpu_count() or 2))
 
 
 def run_jdp(*args, timeout=120):
-    """`python -W error -m jdp.cli ARGS` from the repo root in a fresh process with its own fake devices."""
+    """`python -W error -m jdp.run.cli ARGS` from the repo root in a fresh process with its own fake devices."""
     # conftest's 8-device XLA_FLAGS (and a thread-pool size chosen for it) must not reach the CLI,
     # which sets up its own devices (as tests/test_examples.py does).
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PJRT_NPROC", "NPROC")}
-    return subprocess.run([sys.executable, "-W", "error", "-m", "jdp.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-W", "error", "-m", "jdp.run.cli", *args], capture_output=True,
                           text=True, timeout=timeout, cwd=ROOT, env=env)
 
 
