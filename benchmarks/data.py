@@ -74,7 +74,7 @@ def char_gpt_steps_per_s(steps: int) -> float:
     from jdp.config import load_config
     from jdp.data import make_batches
     from jdp.step import make_train_step
-    from jdp.tasks import build_task
+    from jdp.run.tasks import build_task
 
     config = load_config(os.path.join(ROOT, "configs", "char_gpt.yaml"), ["parallel.devices=2"])
     task = build_task(config)

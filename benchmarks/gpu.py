@@ -9,7 +9,7 @@ unknown) are exercised by tests/test_benchmarks.py.
 Mixed precision here is the library's: `make_train_step(precision="bfloat16")` runs the loss on a
 bf16 copy of the float32 master params, and `GPT(dtype=jnp.bfloat16)` computes its layers in bf16
 and returns float32 logits for the cross-entropy; gradients, their all-reduce and the AdamW state
-stay float32 (jdp/precision.py has the table). Attention is "fused" (`jax.nn.dot_product_attention`,
+stay float32 (jdp/core/precision.py has the table). Attention is "fused" (`jax.nn.dot_product_attention`,
 cuDNN's flash attention on a GPU) and `remat=True` recomputes each block in the backward pass.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from jdp.metrics import peak_flops as peak_flops_for  # jdp train's table (PEAK_FLOPS), so both MFUs agree
+from jdp.run.metrics import peak_flops as peak_flops_for  # jdp train's table (PEAK_FLOPS), so both MFUs agree
 
 
 def mfu(flops_per_step: float, step_seconds: float, peak_per_device: float | None, devices: int) -> float | None:
@@ -124,7 +124,7 @@ def gpt_benchmark(*, d_model: int = 768, n_layers: int = 12, n_heads: int = 12, 
     import optax
 
     import jdp
-    from jdp.metrics import step_flops
+    from jdp.run.metrics import step_flops
 
     devices = jax.devices()
     n = len(devices)

@@ -116,7 +116,7 @@ def _train_small(devices, optimizer: str, precision="float32", reduce_dtype=None
     import jax
     import numpy as np
 
-    from jdp.explain_common import Problem, matrix_specs, mlp_loss
+    from jdp.inspect.explain_common import Problem, matrix_specs, mlp_loss
     from jdp.step import get_params, make_train_step
 
     problem = Problem.make()
@@ -135,7 +135,7 @@ def _hlo_summary(lowered) -> dict:
     """What the program and the compiled step of a reduce_dtype=bf16 step hold: all-reduces, bf16."""
     import re
 
-    from jdp.comm import parse_collectives
+    from jdp.inspect.comm import parse_collectives
 
     program, compiled = lowered.as_text(dialect="hlo"), lowered.compile().as_text()
     return {"program_allreduces": len([c for c in parse_collectives(program) if c["kind"] == "all-reduce"]),
@@ -150,7 +150,7 @@ def part_exactness(plan: Plan, emit) -> None:
     there (matmuls at "highest") and against float32 on the CPU: max |Δparam| after K steps."""
     import jax
 
-    from jdp.explain_common import Problem, max_abs_diff
+    from jdp.inspect.explain_common import Problem, max_abs_diff
 
     device = jax.devices()[:1]
     try:
@@ -218,8 +218,8 @@ def part_cpu_bf16_comm(plan: Plan, emit) -> None:
     import jdp.cpu
 
     jdp.cpu.use_cpu_devices(max(8, *plan.explain_ns))
-    from jdp.explain_common import cached_step
-    from jdp.explain_precision import bf16_communication
+    from jdp.inspect.explain_common import cached_step
+    from jdp.inspect.explain_precision import bf16_communication
 
     t0 = time.perf_counter()
     section = bf16_communication(plan.explain_ns)
@@ -240,7 +240,7 @@ def _compiled_layouts(plan: Plan, n: int, devices) -> dict:
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     import jdp
-    from jdp.comm import parse_collectives
+    from jdp.inspect.comm import parse_collectives
     from jdp.models import GPT
 
     g = plan.gpt

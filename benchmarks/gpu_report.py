@@ -36,7 +36,7 @@ def _env(part: dict | None) -> list[str]:
     lines = ["## Machine", ""] + _status(part)
     if r:
         lines += [f"- backend **{r['backend']}**, devices: {', '.join(r['devices'])}",
-                  f"- device kind `{r['device_kind']}`, peak bf16 FLOP/s (jdp.metrics.peak_flops): "
+                  f"- device kind `{r['device_kind']}`, peak bf16 FLOP/s (jdp.run.metrics.peak_flops): "
                   f"{_num(r['peak_flops_per_device'], '{:.3g}')}, memory limit "
                   f"{_num(r['memory_limit_bytes'], '{:,}')} B",
                   f"- Python {r['python']}; " + ", ".join(f"{k} {v}" for k, v in r["versions"].items()),

@@ -38,13 +38,13 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PJRT_NPROC", "NPROC")}
-LOCK = ".jdp-lock"  # jdp.lock.LOCK_NAME, not imported: importing jdp loads jax, needed only at the end
+LOCK = ".jdp-lock"  # jdp.run.lock.LOCK_NAME, not imported: importing jdp loads jax, needed only at the end
 KINDS = ("random", "during-write", "term", "term-during-save", "concurrent")
 
 
 def command(workdir: str, steps: int, *, checkpoint_every: int = 1, stop_after: int | None = None) -> list[str]:
     """The `jdp train` command of every invocation (the run's identity never changes between them)."""
-    return [sys.executable, "-m", "jdp.cli", "train", "--workdir", workdir, "--devices", "2", "--steps", str(steps),
+    return [sys.executable, "-m", "jdp.run.cli", "train", "--workdir", workdir, "--devices", "2", "--steps", str(steps),
             "--log-every", "1", "--no-progress", "--set", f"train.checkpoint_every={checkpoint_every}",
             "--set", "data.batch_size=64", "--set", "train.keep_checkpoints=2",
             *(["--stop-after", str(stop_after)] if stop_after else [])]
@@ -287,7 +287,7 @@ def _params(workdir: str) -> bytes:
     import jax
     import numpy as np
 
-    from jdp.checkpoint import latest_params
+    from jdp.run.checkpoint import latest_params
 
     return b"".join(np.asarray(x).tobytes() for x in jax.tree.leaves(latest_params(workdir)[1]))
 

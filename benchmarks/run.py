@@ -153,7 +153,7 @@ def _handwritten(params, mesh, placed):
 
     hand = jax.jit(jax.shard_map(hand_step, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P(), P()),
                                  check_vma=False), donate_argnums=(0, 1))
-    rep = jdp.mesh.replicated(mesh)
+    rep = jdp.core.mesh.replicated(mesh)
     hp = jax.device_put(jax.tree.map(np.asarray, params), rep)
     box = [(hp, jax.jit(tx.init, out_shardings=rep)(hp))]
 
@@ -318,7 +318,7 @@ def bench_train_loop(plan: Plan) -> dict:
 
     from jdp.config import load_config
     from jdp.step import make_train_step
-    from jdp.tasks import build_task
+    from jdp.run.tasks import build_task
     from jdp.train import load_metrics, train
 
     overrides = [f"model.hidden={list(plan.train_hidden)}", f"data.batch_size={GLOBAL_BATCH}",

@@ -3,18 +3,21 @@
 N devices each take the mean loss over their shard, all-reduce-average the gradients, and take
 exactly the step one device would take on the whole global batch.
 
-The public API is what this module exports; everything else lives in its module (`jdp.reduce`,
-`jdp.layouts`, `jdp.algorithm`, `jdp.data`, `jdp.models`, `jdp.train`, ...).
+The public API is what this module exports, and the public modules `jdp.nnx`, `jdp.linen`,
+`jdp.train`, `jdp.config`, `jdp.testing`, `jdp.zero`, `jdp.fsdp`, `jdp.step`, `jdp.cpu`, `jdp.data`
+and `jdp.models`. The implementation is grouped by concern: `jdp.core` (the step), `jdp.bridges`
+(Flax NNX and Linen), `jdp.data` (the input pipeline), `jdp.run` (the trainer and `jdp train`),
+`jdp.inspect` (explain, reports, the exactness check) and `jdp.models`.
 """
-from jdp import cpu, fsdp, nnx, zero
-from jdp.comm import CommReport, comm_report
-from jdp.memory import MemoryReport, memory_report
-from jdp.mesh import DATA_AXIS, make_mesh
-from jdp.optim import OptimizerSpec, exact_sum_spec
-from jdp.options import StepOptions
-from jdp.replicas import ReplicaMismatchError, check_replicas, replica_mismatches
-from jdp.state import TrainState
-from jdp.step import TrainStep, get_params, make_train_step
+from jdp import cpu
+from jdp.core.mesh import DATA_AXIS, make_mesh
+from jdp.core.optim import OptimizerSpec, exact_sum_spec
+from jdp.core.options import StepOptions
+from jdp.core.state import TrainState
+from jdp.core.step import TrainStep, get_params, make_train_step
+from jdp.inspect.comm import CommReport, comm_report
+from jdp.inspect.memory import MemoryReport, memory_report
+from jdp.inspect.replicas import ReplicaMismatchError, check_replicas, replica_mismatches
 
 __version__ = "0.1.0"
 
@@ -24,8 +27,11 @@ __version__ = "0.1.0"
 cpu.configure_at_import()
 
 # Imported on first use: orbax (checkpoints), flax.training (Linen) and grain (data) cost ~0.3 s each.
-_LAZY = {"restore_state": "jdp.checkpoint", "save_state": "jdp.checkpoint", "data": None, "linen": None,
-         "models": None}
+# The public modules (jdp.nnx, jdp.zero, ...) too: each re-exports its subpackage's module, which
+# the names above do not need.
+_LAZY = {"restore_state": "jdp.run.checkpoint", "save_state": "jdp.run.checkpoint", "data": None, "linen": None,
+         "models": None, "nnx": None, "zero": None, "fsdp": None, "step": None, "train": None, "config": None,
+         "testing": None}
 
 
 def __getattr__(name: str):

@@ -19,7 +19,7 @@ import re
 
 import jax
 
-from jdp.sections import quoted
+from jdp.text import quoted
 
 THREADS_ENV = "JDP_CPU_THREADS"  # "xla": leave XLA's pools alone; a number: use that many threads
 MAX_THREADS = 4096  # XLA starts every thread of its pool: a typo of 10^9 would exhaust the machine

@@ -12,7 +12,7 @@ import os
 
 def checkout() -> str | None:
     """The source checkout this jdp is imported from (the folder holding pyproject.toml), or None."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the folder that holds jdp/
     return root if os.path.isfile(os.path.join(root, "pyproject.toml")) else None
 
 

@@ -115,7 +115,7 @@ def test_device_key_is_a_function_of_seed_step_and_device():
     base = jax.random.key_data(jax.random.key(5))
     want = jax.random.uniform(jax.random.fold_in(jax.random.fold_in(base, 7), 2))
     mesh = jdp.make_mesh(jax.devices()[:4])
-    got = jax.shard_map(lambda: jax.random.uniform(jdp.state.device_key(base, jnp.int32(7)))[None],
+    got = jax.shard_map(lambda: jax.random.uniform(jdp.core.state.device_key(base, jnp.int32(7)))[None],
                         mesh=mesh, in_specs=(), out_specs=jax.sharding.PartitionSpec(jdp.DATA_AXIS))()
     np.testing.assert_allclose(np.asarray(got)[2], want)
 

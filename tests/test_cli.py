@@ -7,7 +7,7 @@ import pytest
 
 
 def run_jdp(*args, timeout=300, cwd=None):
-    return subprocess.run([sys.executable, "-m", "jdp.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "jdp.run.cli", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=cwd)
 
 

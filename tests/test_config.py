@@ -17,7 +17,7 @@ from jdp.config import (HASH_EXCLUDED, SECTIONS, Config, ConfigError, DataConfig
                         apply_overrides, config_from_dict, config_hash, field_docs, load_config, run_identity,
                         validate)
 from jdp.data import load_seed_regression
-from jdp.optim import for_reduction
+from jdp.core.optim import for_reduction
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHIPPED = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
@@ -202,7 +202,7 @@ BAD_OVERRIDES = [
                                     "got 'mlp'."),
     (["model.name=gpt", "data.name=chars", "model.d_model=60", "model.n_heads=8"],
      "model.d_model=60 is not divisible by model.n_heads=8."),
-    # The optimizer's and the step's own rules (jdp.OptimizerSpec, jdp.options.StepOptions), under the key.
+    # The optimizer's and the step's own rules (jdp.OptimizerSpec, jdp.core.options.StepOptions), under the key.
     (["optim.schedule=cosine", "optim.warmup_steps=300"],
      "optim.warmup_steps: warmup_steps=300 must be less than decay_steps=300, since schedule='cosine' decays to 0 "
      "at decay_steps."),

@@ -7,10 +7,10 @@ from dataclasses import MISSING, fields
 import jsonschema
 import pytest
 
-import jdp.cli
-from jdp.config_schema import config_schema
-from jdp.config_sections import SECTIONS
-from jdp.sections import ConfigError, read_yaml
+import jdp.run.cli
+from jdp.run.config_schema import config_schema
+from jdp.run.config_sections import SECTIONS
+from jdp.run.sections import ConfigError, read_yaml
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -90,5 +90,5 @@ def test_the_schema_and_the_section_agree_on_every_field(section):
 
 
 def test_cli_prints_the_schema(capsys):
-    assert jdp.cli.main(["config", "schema"]) == 0
+    assert jdp.run.cli.main(["config", "schema"]) == 0
     assert json.loads(capsys.readouterr().out) == SCHEMA

@@ -101,7 +101,7 @@ def test_docstrings_become_restructured_text_that_says_the_same():
 
 
 def test_every_file_the_pages_name_exists():
-    """A path in the README, CONTRIBUTING.md or a docs page (`jdp/step.py`, `configs/char_gpt.yaml`) names a real
+    """A path in the README, CONTRIBUTING.md or a docs page (`jdp/core/step.py`, `configs/char_gpt.yaml`) names a real
     file or folder, so moving one without its documentation fails here. Outputs under benchmarks/results/ are
     written by the commands the pages show, and are not checked."""
     path = re.compile(r"(?<![\w/.])((?:jdp|tests|benchmarks|examples|configs|docs)/[\w./-]*[\w/])")

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-from jdp import explain as ex
-from jdp import explain_common as common
-from jdp import explain_precision as exp
+from jdp.inspect import explain as ex
+from jdp.inspect import explain_common as common
+from jdp.inspect import explain_precision as exp
 
 SEED_1 = {"one_device": {"grad": -8.5, "w": 1.085}, "local_grads": [-8.0, -9.0],
           "mean": {"grad": -8.5, "w": 1.085}, "sum": {"grad": -17.0, "w": 1.17}, "sum_lr_over_n": {"lr": 0.005, "w": 1.085}}
@@ -62,7 +62,7 @@ def test_cli_json(monkeypatch, capsys):
     The full report compiles ~60 steps (~35 s); here the matrix keeps SGD only, the ε sweep one
     scale and the clipping count two steps. Every section of the report is still computed.
     """
-    import jdp.cli
+    import jdp.run.cli
 
     specs, sweep, rates = ex.matrix_specs, ex.adam_eps_sweep, ex.clipping_rates
     monkeypatch.setattr(ex, "matrix_specs", lambda clip: {k: v for k, v in specs(clip).items() if k[0] == "sgd"})
@@ -71,7 +71,7 @@ def test_cli_json(monkeypatch, capsys):
     bf16 = exp.bf16_communication
     monkeypatch.setattr(exp, "bf16_communication",
                         lambda ns, backend, progress: bf16(ns, backend, optimizers=("sgd",), progress=progress))
-    assert jdp.cli.main(["explain", "--json", "--devices", "2"]) == 0
+    assert jdp.run.cli.main(["explain", "--json", "--devices", "2"]) == 0
     out, err = capsys.readouterr()
     results = json.loads(out)  # stdout is the JSON document and nothing else
     # every part that runs several things reports each as it starts, saying what it does
@@ -157,6 +157,6 @@ def test_reduce_dtype_float32_is_the_float32_step():
 
 
 def test_cli_rejects_bad_plot_path():
-    r = subprocess.run([sys.executable, "-m", "jdp.cli", "explain", "--plot", "out.txt"],
+    r = subprocess.run([sys.executable, "-m", "jdp.run.cli", "explain", "--plot", "out.txt"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "must name a .png file" in r.stderr and "Traceback" not in r.stderr

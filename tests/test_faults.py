@@ -31,11 +31,11 @@ WORKERS = max(2, min(4, os.cpu_count() or 2))
 
 
 def run_jdp(*args, timeout=120):
-    """`python -W error -m jdp.cli ARGS` from the repo root in a fresh process with its own fake devices."""
+    """`python -W error -m jdp.run.cli ARGS` from the repo root in a fresh process with its own fake devices."""
     # conftest's 8-device XLA_FLAGS (and a thread-pool size chosen for it) must not reach the CLI,
     # which sets up its own devices (as tests/test_examples.py does).
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PJRT_NPROC", "NPROC")}
-    return subprocess.run([sys.executable, "-W", "error", "-m", "jdp.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-W", "error", "-m", "jdp.run.cli", *args], capture_output=True,
                           text=True, timeout=timeout, cwd=ROOT, env=env)
 
 
@@ -135,7 +135,7 @@ CONFIG_CASES = [
     ("bad-model-name", None, ["--set", "model.name=resnet"],
      "model.name must be one of mlp, cnn, gpt, linear, got 'resnet'."),
     ("bad-data-name", None, ["--set", "data.name=mnist"],
-     "data.name must be one of digits, chars, seed_linear, arrays, got 'mnist'."),
+     "data.name must be one of digits, chars, seed_linear, arrays, tokens, got 'mnist'."),
     ("bad-optim-name", None, ["--set", "optim.name=lamb"],
      "optim.name must be one of sgd, momentum, adam, adamw, got 'lamb'."),
     ("bad-schedule", None, ["--set", "optim.schedule=step"],
@@ -149,7 +149,7 @@ CONFIG_CASES = [
     ("bad-lr-correction", None, ["--set", "parallel.reduction=sum", "--set", "parallel.lr_correction=half"],
      "parallel.lr_correction must be null or one of auto, none, exact, got 'half'."),
     ("data-path-not-npz", None, ["--set", "data.name=arrays", "--set", "data.path=data.csv"],
-     "data.path must be null or the path of a .npz file, got 'data.csv'."),
+     "data.path must be the path of a .npz file with data.name='arrays', got 'data.csv'."),
     # Impossible combinations.
     ("batch-not-divisible", None, ["--devices", "4", "--set", "data.batch_size=80", "--set", "parallel.accum_steps=8"],
      "data.batch_size=80 is not a multiple of parallel.accum_steps × devices = 8 × 4; use a multiple of 32."),
@@ -162,7 +162,7 @@ CONFIG_CASES = [
      "parallel.lr_correction: lr_correction='auto' only applies to reduction='sum'; the mean reduction already "
      "yields the global-batch gradient (use None or 'none')."),
     ("gpt-on-digits", None, ["--set", "model.name=gpt"],
-     "model.name='gpt' cannot train on data.name='digits'; gpt takes data.name chars."),
+     "model.name='gpt' cannot train on data.name='digits'; gpt takes data.name chars or tokens."),
     ("cnn-on-chars", "model:\n  name: cnn\ndata:\n  name: chars\n", [],
      "model.name='cnn' cannot train on data.name='chars'; cnn takes data.name digits or arrays."),
     ("arrays-without-path", None, ["--set", "data.name=arrays"],

@@ -99,7 +99,7 @@ def test_restoring_another_optimizers_checkpoint_names_the_structure_and_keeps_i
     adam = jdp.make_train_step(mlp_loss, optax.adam(0.1), devices=jax.devices()[:4])
     jdp.save_state(str(tmp_path), adam, adam.init(mlp_params()))
     files = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
-    with pytest.raises(jdp.checkpoint.CheckpointMismatchError) as error:
+    with pytest.raises(jdp.run.checkpoint.CheckpointMismatchError) as error:
         jdp.restore_state(str(tmp_path), sgd_step, sgd_step.init(mlp_params()))
     message = str(error.value)
     assert "holds an optimizer state of another structure (checkpoint: 0.count ()" in message

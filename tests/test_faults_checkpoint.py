@@ -1,7 +1,7 @@
 """No run is ever lost: checkpoints under any directory name, verified on restore, always finite, tied
 to their data; metrics.jsonl exact after a kill; one sentence for unreadable or unwritable state.
 
-Most runs call `jdp.cli.main` or `jdp.train.train` in this process (tiny models, 1-4 steps); the
+Most runs call `jdp.run.cli.main` or `jdp.train.train` in this process (tiny models, 1-4 steps); the
 permission cases run in one child process, which drops root's permission override where needed.
 """
 import json
@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import tensorstore as ts
 
-from jdp.checkpoint import latest_params
-from jdp.cli import main
+from jdp.run.checkpoint import latest_params
+from jdp.run.cli import main
 from jdp.config import load_config
-from jdp.metrics import load_metrics, repair_metrics
+from jdp.run.metrics import load_metrics, repair_metrics
 from jdp.train import train
 
 from test_faults import ROOT, assert_refused, snapshot
@@ -194,7 +194,7 @@ def test_metrics_path_that_is_a_directory_is_refused(capsys, workdir):
 
 _CHILD = """
 import contextlib, io, json, sys, traceback
-from jdp.cli import main
+from jdp.run.cli import main
 results = []
 for argv in json.loads(sys.argv[1]):
     err = io.StringIO()

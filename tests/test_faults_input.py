@@ -1,6 +1,6 @@
 """Input limits, checked before anything big is allocated: YAML configs, user arrays, JDP_CPU_THREADS.
 
-Each fault runs as a user meets it where that is cheap: `jdp.cli.main([...])` in this process (exit
+Each fault runs as a user meets it where that is cheap: `jdp.run.cli.main([...])` in this process (exit
 code 2, one `jdp: error:` sentence, no traceback, nothing written: the checks of tests/test_faults.py),
 or the API call that raises. Only the JDP_CPU_THREADS case starts a process, since what `import jdp`
 does with it is the point.
@@ -18,8 +18,8 @@ import optax
 import pytest
 
 import jdp
-import jdp.npyfile
-from jdp.cli import main
+import jdp.data.npyfile
+from jdp.run.cli import main
 from jdp.config import ConfigError, config_from_dict, load_config
 from jdp.data import load_arrays
 from test_faults import ROOT, assert_refused, snapshot
@@ -68,7 +68,7 @@ def test_yaml_beyond_limits_is_refused(tmp_path, text, message):
 
 
 def test_yaml_merge_keys_may_repeat_a_key():
-    from jdp.sections import parse_yaml
+    from jdp.run.sections import parse_yaml
     text = "base: &b {lr: 0.1, name: sgd}\noptim: {<<: *b, lr: 0.2}\n"
     assert parse_yaml(text, "c.yaml")["optim"] == {"lr": 0.2, "name": "sgd"}
 
@@ -168,7 +168,7 @@ def test_npy_header_claiming_more_than_the_file_is_refused(tmp_path):
 
 def test_arrays_beyond_memory_are_refused(tmp_path, monkeypatch):
     np.savez_compressed(tmp_path / "d.npz", x=np.zeros((40, 5), np.float32), y=Y)
-    monkeypatch.setattr(jdp.npyfile, "memory_bytes", lambda: 1000)  # 800 + 320 bytes of arrays
+    monkeypatch.setattr(jdp.data.npyfile, "memory_bytes", lambda: 1000)  # 800 + 320 bytes of arrays
     with pytest.raises(ValueError, match=r"d.npz' holds 1.1 KiB of arrays, more than this machine's 1000 bytes of "
                                          r"memory; load a part of it\.$"):
         load_arrays(tmp_path / "d.npz")
@@ -177,7 +177,7 @@ def test_arrays_beyond_memory_are_refused(tmp_path, monkeypatch):
 # JDP_CPU_THREADS: `import jdp` cannot fail (the CLI would print a traceback); jdp refuses it at its next use.
 def test_bad_cpu_threads_exits_2_on_the_command_line(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PJRT_NPROC", "NPROC")}
-    r = subprocess.run([sys.executable, "-W", "error", "-m", "jdp.cli", "train", "--workdir", str(tmp_path / "w")],
+    r = subprocess.run([sys.executable, "-W", "error", "-m", "jdp.run.cli", "train", "--workdir", str(tmp_path / "w")],
                        capture_output=True, text=True, timeout=120, cwd=ROOT, env={**env, "JDP_CPU_THREADS": "4O"})
     assert_refused(r, "jdp: error: JDP_CPU_THREADS='4O' must be 'xla' or a number of threads from 1 to 4096.")
     assert not (tmp_path / "w").exists()

@@ -16,11 +16,11 @@ import jax
 import orbax.checkpoint as ocp
 import pytest
 
-import jdp.cli
-import jdp.train as train_module
+import jdp.run.cli
+import jdp.run.train as train_module
 from jdp.config import load_config
-from jdp.lock import LOCK_NAME, WorkdirLock, WorkdirLockedError
-from jdp.metrics import MetricsWriter
+from jdp.run.lock import LOCK_NAME, WorkdirLock, WorkdirLockedError
+from jdp.run.metrics import MetricsWriter
 from jdp.train import train
 
 from test_faults import ROOT, TEMPLATE_ARGS, assert_refused, run_jdp, snapshot
@@ -124,7 +124,7 @@ def test_disk_full_writing_metrics_keeps_the_step_and_says_so(tmp_path, monkeypa
         real(self, record)
 
     monkeypatch.setattr(MetricsWriter, "write", disk_full_at_4)
-    code = jdp.cli.main(["train", "--devices", "2", "--steps", "6", "--set", "data.batch_size=64", "--workdir",
+    code = jdp.run.cli.main(["train", "--devices", "2", "--steps", "6", "--set", "data.batch_size=64", "--workdir",
                          str(tmp_path / "w"), "--no-progress"])
     err = capsys.readouterr().err
     assert code == 1 and err.count("\n") == 1, err
@@ -157,7 +157,7 @@ def test_lock_released_between_open_and_flock_is_taken_again_on_the_current_file
             holder.release()
         return fd
 
-    monkeypatch.setattr("jdp.lock.os.open", release_right_after_open)
+    monkeypatch.setattr("jdp.run.lock.os.open", release_right_after_open)
     racer.acquire()
     monkeypatch.undo()
     with pytest.raises(WorkdirLockedError):  # the racer holds the file at the path, not an unlinked one
@@ -166,7 +166,7 @@ def test_lock_released_between_open_and_flock_is_taken_again_on_the_current_file
 
 
 def test_stale_lock_of_a_killed_run_is_taken_over(tmp_path):
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from jdp.lock import WorkdirLock; "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from jdp.run.lock import WorkdirLock; "
                                "WorkdirLock(sys.argv[1]).acquire(); print('locked', flush=True); time.sleep(600)",
                                str(tmp_path / "w")], stdout=subprocess.PIPE, text=True, cwd=ROOT)
     try:
@@ -218,7 +218,7 @@ def test_plot_into_a_missing_directory_is_one_sentence(tmp_path, capsys):
     (tmp_path / "w" / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n")
     before = snapshot(tmp_path)
     out = str(tmp_path / "missing" / "curves.png")
-    assert jdp.cli.main(["plot", str(tmp_path / "w"), "--out", out]) == 2
+    assert jdp.run.cli.main(["plot", str(tmp_path / "w"), "--out", out]) == 2
     err = capsys.readouterr().err
     assert err == (f"jdp: error: --out {out!r} is in a directory that does not exist ("
                    f"{str(tmp_path / 'missing')!r}); create it or choose another path.\n")
@@ -238,7 +238,7 @@ def test_out_of_memory_evaluation_mid_run_keeps_the_steps_record_and_ends_in_one
     monkeypatch.setattr(train_module, "evaluate", fails_second)
     argv = ["train", "--devices", "2", "--steps", "6", "--set", "data.batch_size=64", "--set", "train.eval_every=2",
             "--log-every", "1", "--workdir", str(tmp_path / "w"), "--no-progress"]
-    code = jdp.cli.main(argv)
+    code = jdp.run.cli.main(argv)
     err = capsys.readouterr().err
     assert code == 1 and err.count("\n") == 1, err
     assert err == ("jdp: error: the evaluation after step 4 ran out of memory (RESOURCE_EXHAUSTED: Out of memory "
@@ -248,7 +248,7 @@ def test_out_of_memory_evaluation_mid_run_keeps_the_steps_record_and_ends_in_one
     with open(tmp_path / "w" / "metrics.jsonl") as f:
         assert [r["step"] for r in map(json.loads, f) if "loss" in r] == [1, 2, 3, 4]  # step 4's record too
     monkeypatch.undo()
-    assert jdp.cli.main(argv) == 0
+    assert jdp.run.cli.main(argv) == 0
     with open(tmp_path / "w" / "metrics.jsonl") as f:
         records = [json.loads(line) for line in f]
     assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5, 6]
@@ -259,7 +259,7 @@ def test_a_checkpoint_write_past_the_file_size_limit_is_one_sentence_and_resumes
     # RLIMIT_FSIZE makes every write past 20 kB fail with EFBIG, as a full disk fails with ENOSPC:
     # the metrics lines fit, the first checkpoint (step 2, ~115 kB of arrays) does not.
     work = tmp_path / "w"
-    argv = [sys.executable, "-m", "jdp.cli", "train", "--devices", "2", "--steps", "4", "--checkpoint-every", "2",
+    argv = [sys.executable, "-m", "jdp.run.cli", "train", "--devices", "2", "--steps", "4", "--checkpoint-every", "2",
             "--set", "data.batch_size=64", "--workdir", str(work), "--no-progress"]
     limited = [sys.executable, "-c", "import os, resource, sys; resource.setrlimit(resource.RLIMIT_FSIZE, (20000, "
                "20000)); os.execv(sys.argv[1], sys.argv[1:])", *argv]  # no fork of this (threaded) process

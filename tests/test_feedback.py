@@ -9,13 +9,13 @@ import jax
 import numpy as np
 import pytest
 
-import jdp.cli
-from jdp import explain as ex
-from jdp import explain_common as common
-from jdp.checkpoint import latest_params
+import jdp.run.cli
+from jdp.inspect import explain as ex
+from jdp.inspect import explain_common as common
+from jdp.run.checkpoint import latest_params
 from jdp.config import load_config, run_identity
-from jdp.metrics import curves_figure
-from jdp.optim import OptimizerSpec
+from jdp.run.metrics import curves_figure
+from jdp.core.optim import OptimizerSpec
 from jdp.train import train
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -44,7 +44,7 @@ def _stub_explain_parts(monkeypatch):
 
 def test_explain_json_keeps_stdout_for_the_json_and_reports_progress_on_stderr(monkeypatch, capsys):
     _stub_explain_parts(monkeypatch)
-    assert jdp.cli.main(["explain", "--json", "--devices", "2"]) == 0
+    assert jdp.run.cli.main(["explain", "--json", "--devices", "2"]) == 0
     out, err = capsys.readouterr()
     results = json.loads(out)  # stdout is the JSON document and nothing else
     assert results["seed_single_param"] == {"part": 1} and results["matrix"][0]["devices"] == 2
@@ -82,10 +82,10 @@ def test_explain_reuses_compiled_steps_across_its_parts(monkeypatch):
 def test_a_finished_run_says_so_and_repeats_its_held_out_result(tmp_path, capsys):
     work = str(tmp_path / "run")
     args = ["train", "--steps", "4", "--workdir", work, *TINY_MLP]
-    assert jdp.cli.main(args) == 0
+    assert jdp.run.cli.main(args) == 0
     first = capsys.readouterr().out.splitlines()[-1]
     assert first.startswith("done at step 4 of 4") and "held-out accuracy" in first
-    assert jdp.cli.main(args) == 0
+    assert jdp.run.cli.main(args) == 0
     again = capsys.readouterr().out.splitlines()[-1]
     assert again.startswith("the run is complete (4 of 4 steps")
     assert again.split("held-out")[1] == first.split("held-out")[1]  # the same numbers, from the restored state
@@ -108,15 +108,15 @@ def _snapshot(directory):
 def test_more_steps_extend_a_finished_run_with_a_constant_schedule(tmp_path, capsys):
     short, whole = str(tmp_path / "short"), str(tmp_path / "whole")
     base = ["train", SEED_CONFIG, "--no-progress", "--set", "optim.warmup_steps=2"]  # warmup, then constant
-    assert jdp.cli.main([*base, "--steps", "4", "--workdir", short]) == 0
-    assert jdp.cli.main([*base, "--steps", "6", "--workdir", short]) == 0
+    assert jdp.run.cli.main([*base, "--steps", "4", "--workdir", short]) == 0
+    assert jdp.run.cli.main([*base, "--steps", "6", "--workdir", short]) == 0
     assert "resumed from step 4" in capsys.readouterr().out
-    assert jdp.cli.main([*base, "--steps", "6", "--workdir", whole]) == 0
+    assert jdp.run.cli.main([*base, "--steps", "6", "--workdir", whole]) == 0
     assert latest_params(short)[0] == 6
     np.testing.assert_array_equal(latest_params(short)[1]["w"], latest_params(whole)[1]["w"])  # bit for bit
     assert _losses(short) == _losses(whole)
     before = _snapshot(short)  # fewer steps than trained: refused, nothing changed
-    assert jdp.cli.main([*base, "--steps", "5", "--workdir", short]) == 2
+    assert jdp.run.cli.main([*base, "--steps", "5", "--workdir", short]) == 2
     assert "train.steps=5 is fewer than the 6 steps" in capsys.readouterr().err
     assert _snapshot(short) == before
 
@@ -125,10 +125,10 @@ def test_more_steps_extend_a_finished_run_with_a_constant_schedule(tmp_path, cap
 def test_changing_steps_is_refused_where_the_schedule_uses_them(tmp_path, capsys, schedule):
     work = str(tmp_path / "w")
     base = ["train", SEED_CONFIG, "--no-progress", "--workdir", work, "--set", f"optim.schedule={schedule}"]
-    assert jdp.cli.main([*base, "--steps", "4"]) == 0
+    assert jdp.run.cli.main([*base, "--steps", "4"]) == 0
     capsys.readouterr()
     before = _snapshot(work)
-    assert jdp.cli.main([*base, "--steps", "6"]) == 2
+    assert jdp.run.cli.main([*base, "--steps", "6"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("jdp: error: train.steps=6 differs from the run's 4") and err.count("\n") == 0
     assert f"optim.schedule='{schedule}' decays the learning rate to 0 at train.steps" in err
@@ -157,12 +157,12 @@ def test_a_series_of_one_point_is_drawn_with_a_marker(tmp_path):
     finally:
         plt.close(fig)
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
-    assert jdp.cli.main(["plot", str(tmp_path)]) == 0
+    assert jdp.run.cli.main(["plot", str(tmp_path)]) == 0
     assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_every_option_of_every_subcommand_has_help():
-    parser = jdp.cli.build_parser()
+    parser = jdp.run.cli.build_parser()
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
     missing = [f"{name} {action.option_strings or action.dest}" for name, command in commands.items()
                for action in command._actions if not (action.help or "").strip() or action.help == argparse.SUPPRESS]
@@ -185,7 +185,7 @@ def test_explain_progress_on_a_terminal_is_a_rich_bar():
 
 def test_a_checkpoint_that_counted_steps_with_a_constant_schedule_may_be_extended(tmp_path, monkeypatch):
     """Checkpoints written before train.steps left the identity of constant schedules hold it."""
-    import jdp.train
+    import jdp.run.facts
 
     work, cfg = str(tmp_path / "w"), load_config(SEED_CONFIG, ["train.steps=2"])
 
@@ -193,7 +193,7 @@ def test_a_checkpoint_that_counted_steps_with_a_constant_schedule_may_be_extende
         return train(config, work, devices=jax.devices()[:4], log=lambda *_: None, progress=False)
 
     with monkeypatch.context() as old_jdp:
-        old_jdp.setattr(jdp.train, "run_identity", lambda config: {**run_identity(config), "train": {
+        old_jdp.setattr(jdp.run.facts, "run_identity", lambda config: {**run_identity(config), "train": {
             "steps": config.train.steps, "seed": config.train.seed}})
         quiet(cfg)
     assert quiet(cfg).resumed_from == 2  # the same length: resumes as before

@@ -151,7 +151,7 @@ def test_model_state_mask_aux_and_bf16_compute():
         # to float32 before it is reduced: bf16 rounds the same values at the same points in both layouts (a
         # float32 reduce-scatter may add the devices' values in another order than the all-reduce: 1e-6)
         assert_close(finals[1], finals[0], tol=1e-6)
-        program = jdp.comm.parse_collectives(step.lower(state, batch).as_text(dialect="hlo"))
+        program = jdp.inspect.comm.parse_collectives(step.lower(state, batch).as_text(dialect="hlo"))
         assert sum(c["bytes"] for c in program if c["kind"] == "all-gather") == padded_bytes(4) // 2  # bf16: half
         scattered = [c["bytes"] for c in program if c["kind"] == "reduce-scatter"]
         assert scattered == [padded_bytes(4) // (2 if reduce_dtype else 1)]
@@ -276,7 +276,7 @@ def test_trainer_resumes_across_shard_params_and_device_counts(tmp_path):
 
 def test_refusals_and_config_key():
     from jdp.config import load_config
-    from jdp.sections import ConfigError
+    from jdp.run.sections import ConfigError
 
     with pytest.raises(ValueError, match=r"^shard_params=True needs backend='shard_map' \(got 'pmap'\): pmap keeps a "
                                          r"whole copy of the params on every device\.$"):

@@ -175,7 +175,7 @@ def test_gpt_dropout_key_is_a_call_argument(gpt):
     assert a.shape == (4, 32, VOCAB) and a.dtype == jnp.float32
     np.testing.assert_array_equal(a, run(params, tok, jax.random.key(1)))
     assert float(jnp.abs(a - run(params, tok, jax.random.key(2))).max()) > 1e-2
-    # A raw uint32[2] key (what jdp.state.device_key returns) works too.
+    # A raw uint32[2] key (what jdp.core.state.device_key returns) works too.
     raw = jax.random.key_data(jax.random.key(1))
     np.testing.assert_array_equal(a, run(params, tok, raw))
     # Eval: no dropout, no key, deterministic; differs from any train-mode pass.
@@ -206,14 +206,14 @@ def test_gpt_is_causal(gpt):
 
 
 def test_gpt_masks_differ_per_device_under_shard_map(gpt, mesh4):
-    """jdp.state.device_key gives every device its own mask: same tokens, different outputs per device."""
+    """jdp.core.state.device_key gives every device its own mask: same tokens, different outputs per device."""
     _, params, rest, _, _ = gpt
     graphdef = nnx.graphdef(gpt[0])
     tok = np.tile(tokens(1, 16, VOCAB), (4, 1))  # one identical sequence per device
     base = jax.random.key_data(jax.random.key(7))
 
     def per_device(params, tok):
-        key = jdp.state.device_key(base, jnp.int32(0))
+        key = jdp.core.state.device_key(base, jnp.int32(0))
         return nnx.merge(graphdef, params, rest, copy=True)(tok, train=True, rngs=nnx.Rngs(dropout=key))
 
     f = jax.jit(jax.shard_map(per_device, mesh=mesh4, in_specs=(P(), P(jdp.DATA_AXIS)),

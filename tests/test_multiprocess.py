@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from jdp.checkpoint import latest_params
+from jdp.run.checkpoint import latest_params
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PJRT_NPROC", "NPROC")}
@@ -27,7 +27,7 @@ def free_port():
 
 
 def jdp_train(*args):
-    return [sys.executable, "-m", "jdp.cli", "train", *args, *COMMON]
+    return [sys.executable, "-m", "jdp.run.cli", "train", *args, *COMMON]
 
 
 def launch(workdir, steps, processes=2, devices=2, extra=()):

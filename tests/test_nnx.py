@@ -143,7 +143,7 @@ def test_your_model_through_the_trainer_resumes_bit_exactly(tmp_path):
     assert resumed.resumed_from == 2 and resumed.eval == whole.eval and "accuracy" in whole.eval
     for a, b in zip(jax.tree.leaves(whole.params), jax.tree.leaves(resumed.params)):
         np.testing.assert_array_equal(a, b)
-    losses = [[r["loss"] for r in jdp.metrics.load_metrics(str(d)) if "loss" in r] for d in (tmp_path / "whole",
+    losses = [[r["loss"] for r in jdp.run.metrics.load_metrics(str(d)) if "loss" in r] for d in (tmp_path / "whole",
                                                                                              tmp_path / "split")]
     assert losses[0] == losses[1] and len(losses[0]) == 4
 

@@ -15,14 +15,14 @@ import venv
 import jax
 import pytest
 import jdp
-import jdp.cli
+import jdp.run.cli
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_version_flag_prints_the_package_version(capsys):
     with pytest.raises(SystemExit) as done:
-        jdp.cli.main(["--version"])
+        jdp.run.cli.main(["--version"])
     assert done.value.code == 0
     assert capsys.readouterr().out == f"jdp {jdp.__version__}\n"
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
@@ -64,7 +64,7 @@ def test_a_script_beside_a_clone_named_jdp_imports_the_installed_package(tmp_pat
 
 def _explain_results(ns):
     """A full `jdp explain` result of the real shape (no step compiled): every table at full size."""
-    from jdp import explain as ex
+    from jdp.inspect import explain as ex
 
     def seed(w0, grads, n):
         return {"w0": w0, "lr": 0.1, "devices": n, "one_device": {"grad": grads[0], "w": w0},
@@ -96,7 +96,7 @@ def _explain_results(ns):
 @pytest.mark.parametrize("ns", [(2, 4, 8), (2, 4, 8, 16, 32)])
 def test_explain_tables_fit_80_columns_when_piped(ns, monkeypatch, capsys):
     """Piped, rich's console is 80 columns wide: no table may cut a cell to "all-re…"."""
-    from jdp import explain as ex
+    from jdp.inspect import explain as ex
 
     monkeypatch.delenv("COLUMNS", raising=False)
     ex.render(_explain_results(ns))  # rich's default console: stdout here is a capture, not a terminal
@@ -133,7 +133,7 @@ def test_plot_without_matplotlib_names_the_install_command_of_this_checkout(tmp_
     assert any(d.startswith("matplotlib") for d in extras["plot"])
     for cwd, where in ((ROOT, "."), (tmp_path, str(ROOT))):
         monkeypatch.chdir(cwd)
-        assert jdp.cli.main(["plot", work]) == 2
+        assert jdp.run.cli.main(["plot", work]) == 2
         assert capsys.readouterr().err == ("jdp: error: jdp plot needs matplotlib, which is not installed here; "
                                            f"install it with pip install -e '{where}[plot]'\n")
     assert not (tmp_path / "run" / "curves.png").exists()
@@ -142,15 +142,15 @@ def test_plot_without_matplotlib_names_the_install_command_of_this_checkout(tmp_
 def test_plot_has_axis_labels_the_run_name_and_marked_eval_points(tmp_path, monkeypatch):
     import matplotlib.pyplot as plt
 
-    import jdp.metrics
+    import jdp.run.metrics
 
     records = [{"step": s, "loss": 2.0 / s, "train_accuracy": 0.1 * s} for s in (1, 2, 3, 4)]
     records += [{"step": s, "eval_loss": 2.5 / s, "eval_accuracy": 0.09 * s} for s in (2, 4)]
     work = _metrics(tmp_path / "digits_mlp", records)
     figures = []
-    real = jdp.metrics.curves_figure
-    monkeypatch.setattr(jdp.metrics, "curves_figure", lambda *a, **k: figures.append(real(*a, **k)) or figures[-1])
-    assert jdp.cli.main(["plot", work]) == 0
+    real = jdp.run.metrics.curves_figure
+    monkeypatch.setattr(jdp.run.metrics, "curves_figure", lambda *a, **k: figures.append(real(*a, **k)) or figures[-1])
+    assert jdp.run.cli.main(["plot", work]) == 0
     fig = figures[0]
     try:
         assert "digits_mlp" in fig.get_suptitle()  # the run's name: its directory
@@ -201,7 +201,7 @@ def _circles(graph: dict[str, set[str]]) -> set[str]:
 
 
 def test_no_import_circle_in_jdp():
-    """Modules import in one direction only (jdp.explain and jdp.explain_precision imported each other)."""
+    """Modules import in one direction only (jdp.inspect.explain and jdp.inspect.explain_precision imported each other)."""
     assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == {"a -> b -> c -> a"}
     graph = _jdp_imports()
     assert sum(map(len, graph.values())) > 50  # the scan sees the imports

@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 import jdp
-from jdp.comm import parse_collectives
+from jdp.inspect.comm import parse_collectives
 from tests.helpers import batches, mlp_loss, mlp_params
 
 GLOBAL = 32

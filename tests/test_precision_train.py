@@ -11,10 +11,10 @@ import jax
 import numpy as np
 import pytest
 
-import jdp.cli
-import jdp.tasks
-import jdp.train
-from jdp.checkpoint import CheckpointMismatchError
+import jdp.run.cli
+import jdp.run.tasks
+import jdp.run.facts
+from jdp.run.checkpoint import CheckpointMismatchError
 from jdp.config import ADDED_DEFAULTS, ATTENTIONS, ConfigError, config_hash, load_config, run_identity
 from jdp.models.gpt import ATTENTIONS as GPT_ATTENTIONS
 from jdp.train import train
@@ -70,12 +70,12 @@ def test_the_task_builds_models_in_the_compute_dtype(monkeypatch):
         return build
 
     for name in ("MLP", "CNN", "GPT"):
-        monkeypatch.setattr(jdp.tasks, name, recording(name, getattr(jdp.tasks, name)))
-    jdp.tasks.build_task(load_config(None, ["model.hidden=[4]"]))
+        monkeypatch.setattr(jdp.run.tasks, name, recording(name, getattr(jdp.run.tasks, name)))
+    jdp.run.tasks.build_task(load_config(None, ["model.hidden=[4]"]))
     assert seen["MLP"]["dtype"] is None
-    jdp.tasks.build_task(load_config(None, ["model.name=cnn", "model.channels=[2,2]", "train.precision=bf16"]))
+    jdp.run.tasks.build_task(load_config(None, ["model.name=cnn", "model.channels=[2,2]", "train.precision=bf16"]))
     assert np.dtype(seen["CNN"]["dtype"]) == np.dtype(jax.numpy.bfloat16)
-    jdp.tasks.build_task(load_config(None, [*TINY_GPT, "model.name=gpt", "data.name=chars", "train.precision=bf16",
+    jdp.run.tasks.build_task(load_config(None, [*TINY_GPT, "model.name=gpt", "data.name=chars", "train.precision=bf16",
                                             "model.attention=fused", "model.remat=true"]))
     assert (np.dtype(seen["GPT"]["dtype"]), seen["GPT"]["attention"], seen["GPT"]["remat"]) == (
         np.dtype(jax.numpy.bfloat16), "fused", True)
@@ -149,7 +149,7 @@ def test_cudnn_attention_needs_bfloat16():
 # train.accelerator_only.
 def run_jdp(*args):
     env = {**os.environ, "PYTHONWARNINGS": "error"}
-    return subprocess.run([sys.executable, "-m", "jdp.cli", "train", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "jdp.run.cli", "train", *args], capture_output=True, text=True,
                           timeout=300, cwd=str(ROOT), env=env)
 
 
@@ -175,12 +175,12 @@ def test_stop_after_runs_an_accelerator_config_on_cpus(tmp_path):
 def test_steps_or_stop_after_is_the_cli_opt_in():
     """--steps and --stop-after each let an accelerator config train on CPUs; neither refuses it."""
     cfg, cpus = load_config(str(ROOT / GPT2_SMALL)), jax.devices()[:1]
-    parse = jdp.cli.build_parser().parse_args
-    assert jdp.cli._cpu_asked_for(parse(["train", GPT2_SMALL, "--steps", "2"]), cfg, cpus)
-    assert jdp.cli._cpu_asked_for(parse(["train", GPT2_SMALL, "--stop-after", "2"]), cfg, cpus)
+    parse = jdp.run.cli.build_parser().parse_args
+    assert jdp.run.cli._cpu_asked_for(parse(["train", GPT2_SMALL, "--steps", "2"]), cfg, cpus)
+    assert jdp.run.cli._cpu_asked_for(parse(["train", GPT2_SMALL, "--stop-after", "2"]), cfg, cpus)
     with pytest.raises(ValueError, match="is meant for accelerators"):
-        jdp.cli._cpu_asked_for(parse(["train", GPT2_SMALL]), cfg, cpus)
-    assert not jdp.cli._cpu_asked_for(parse(["train"]), load_config(None), cpus)  # other configs: no question
+        jdp.run.cli._cpu_asked_for(parse(["train", GPT2_SMALL]), cfg, cpus)
+    assert not jdp.run.cli._cpu_asked_for(parse(["train"]), load_config(None), cpus)  # other configs: no question
 
 
 def test_train_refuses_an_accelerator_config_on_cpus_unless_allowed(tmp_path):
@@ -224,7 +224,7 @@ def test_a_checkpoint_from_before_precision_resumes_only_in_float32(tmp_path, mo
         return identity
 
     with monkeypatch.context() as old_jdp:
-        old_jdp.setattr(jdp.train, "run_identity", older)
+        old_jdp.setattr(jdp.run.facts, "run_identity", older)
         quiet(load_config(None, tiny), tmp_path, 2, stop_after=1)
     with pytest.raises(CheckpointMismatchError, match=re.escape("train.precision: checkpoint '<absent>', now "
                                                                 "'bfloat16'")):

@@ -16,7 +16,7 @@ import pytest
 
 import jdp
 from helpers import batches, mlp_loss, mlp_params
-from jdp.checkpoint import Checkpointer
+from jdp.run.checkpoint import Checkpointer
 from jdp.config import load_config
 from jdp.train import train
 

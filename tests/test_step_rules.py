@@ -70,7 +70,7 @@ def test_every_and_last_report_the_whole_step(backend):
 
 
 def test_options_are_one_validated_value():
-    with pytest.raises(jdp.options.OptionError, match="lr_correction='auto' only applies to reduction='sum'") as e:
+    with pytest.raises(jdp.core.options.OptionError, match="lr_correction='auto' only applies to reduction='sum'") as e:
         jdp.make_train_step(mlp_loss, optax.sgd(0.1), lr_correction="auto")
     assert e.value.field == "lr_correction"
     step = jdp.make_train_step(mlp_loss, optax.sgd(0.1), reduction="sum", accum_steps=2, devices=jax.devices()[:2])

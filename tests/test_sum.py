@@ -169,4 +169,4 @@ def test_plain_pmean_overflows_in_fp16():
         return np.asarray(jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec)(x))
 
     assert np.isinf(reduce_with(lambda v: jax.lax.pmean(v, jdp.DATA_AXIS))).all()
-    np.testing.assert_allclose(reduce_with(jdp.reduce.mean_over_devices), x.astype(np.float64).mean(), rtol=2e-3)
+    np.testing.assert_allclose(reduce_with(jdp.core.reduce.mean_over_devices), x.astype(np.float64).mean(), rtol=2e-3)

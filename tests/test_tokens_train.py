@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from jdp.checkpoint import latest_params
+from jdp.run.checkpoint import latest_params
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PJRT_NPROC", "NPROC")}
@@ -32,7 +32,7 @@ def files(tmp_path_factory):
 
 
 def jdp_train(workdir, files, *args, extra=()):
-    return [sys.executable, "-m", "jdp.cli", "train", "--workdir", str(workdir), "--no-progress", "--log-every", "1",
+    return [sys.executable, "-m", "jdp.run.cli", "train", "--workdir", str(workdir), "--no-progress", "--log-every", "1",
             *sets(*TINY, f"data.path={files / 'train.bin'}", f"data.val_path={files / 'val.bin'}", *extra), *args]
 
 
@@ -219,7 +219,7 @@ def apply_workers(config):
 def test_the_run_identity_hashes_arrays_as_before_and_a_token_file_by_its_sample(tmp_path, files):
     import shutil
 
-    from jdp.checkpoint import tree_digest, with_data_digest
+    from jdp.run.checkpoint import tree_digest, with_data_digest
     from jdp.config import load_config
     from jdp.data import ArrayDataset, load_tokens
     from jdp.train import train

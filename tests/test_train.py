@@ -7,11 +7,11 @@ import jax
 import numpy as np
 import pytest
 
-from jdp.checkpoint import CheckpointMismatchError
+from jdp.run.checkpoint import CheckpointMismatchError
 from jdp.config import Config, load_config
-from jdp.evaluate import evaluate, make_eval_step
-from jdp.mesh import make_mesh
-from jdp.tasks import build_task
+from jdp.core.evaluate import evaluate, make_eval_step
+from jdp.core.mesh import make_mesh
+from jdp.run.tasks import build_task
 from jdp.train import train
 
 from helpers import max_abs_diff
@@ -91,7 +91,7 @@ def test_evaluation_is_exact_with_a_ragged_last_batch():
 
 
 def test_consecutive_nonfinite_updates_stop_training(tmp_path, monkeypatch):
-    import jdp.train as train_module
+    import jdp.run.train as train_module
 
     real = train_module.build_task
 

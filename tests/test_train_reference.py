@@ -17,7 +17,7 @@ import optax
 from helpers import max_abs_diff, reference_grad_norms, reference_run
 from jdp.config import load_config
 from jdp.data import make_batches
-from jdp.tasks import build_task
+from jdp.run.tasks import build_task
 from jdp.train import train
 
 STEPS, N = 4, 4

@@ -5,9 +5,9 @@ import os
 import pytest
 
 from jdp.config import load_config
-from jdp.metrics import plot_metrics
+from jdp.run.metrics import plot_metrics
 from jdp.train import train
-from jdp.workfiles import DELETING, SymlinkRefusedError
+from jdp.run.workfiles import DELETING, SymlinkRefusedError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRECIOUS = b"someone else's data\n"
@@ -131,7 +131,7 @@ def test_an_empty_workdir_is_refused():
 
 def test_a_symlinked_tensorboard_directory_is_refused(tmp_path, victim_dir):
     pytest.importorskip("tensorboardX")
-    from jdp.metrics import MetricsWriter
+    from jdp.run.metrics import MetricsWriter
 
     work = tmp_path / "work"
     work.mkdir()

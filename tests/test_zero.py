@@ -206,7 +206,7 @@ def test_padding_never_decides_a_skip():
 
 def test_config_key_and_its_refusal():
     from jdp.config import load_config
-    from jdp.sections import ConfigError
+    from jdp.run.sections import ConfigError
 
     assert load_config(None, ["parallel.shard_optimizer_state=true"]).parallel.shard_optimizer_state is True
     with pytest.raises(ConfigError, match=r"^parallel\.shard_optimizer_state: shard_optimizer_state=True needs "

@@ -9,7 +9,7 @@ A page holds a marker line; on `source-read` the marker is replaced by Markdown 
 - `<!-- jdp:shipped-configs -->`: each file of `configs/` with its header: what it trains, the
   command that runs it and the result it should reach.
 - `<!-- jdp:cli-reference -->`: `jdp --help` and each subcommand's `--help`, from
-  `jdp.cli.build_parser()`.
+  `jdp.run.cli.build_parser()`.
 
 It also reads jdp's docstrings as what they are, plain text (`plain_text_docstring`): `code` in
 single backticks, examples indented under a line of prose, and Google-style "Args:" sections.
@@ -78,7 +78,7 @@ def _resume_rule(config_mod, dotted: str) -> str:
 def config_reference() -> str:
     """The config reference as Markdown: one table per section, the default YAML, the reader's limits."""
     from jdp import config as config_mod
-    from jdp import sections as sections_mod
+    from jdp.run import sections as sections_mod
 
     out = []
     for name, cls in config_mod.SECTIONS.items():
@@ -99,7 +99,7 @@ def config_reference() -> str:
             "```yaml", default_yaml.rstrip(), "```", "",
             "## What the YAML reader refuses", "",
             "A config is read as `yaml.safe_load` reads it, within these limits; each refusal is one "
-            "sentence naming the line (`jdp.sections.parse_yaml`):", "",
+            "sentence naming the line (`jdp.run.sections.parse_yaml`):", "",
             "| limit | value |", "|---|---|",
             f"| nesting levels | at most {sections_mod.MAX_DEPTH} |",
             f"| values (keys, items, scalars), aliases counted in full | at most {sections_mod.MAX_VALUES:,} |",
@@ -130,7 +130,7 @@ def shipped_configs() -> str:
 
 def cli_reference() -> str:
     """`jdp --help` and each subcommand's help as Markdown text blocks."""
-    from jdp.cli import build_parser
+    from jdp.run.cli import build_parser
 
     os.environ["COLUMNS"] = "100"  # argparse wraps at the terminal's width: make the page the same everywhere
     parser = build_parser()

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import numpy as np
 
 from jdp.data.sources import ItemSource, digest_items
-from jdp.sections import quoted
+from jdp.text import quoted
 
 INSTALL = "pip install 'jdp[arrayrecord]' (the array-record package)"
 

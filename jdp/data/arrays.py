@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from jdp.data.checks import describe
-from jdp.npyfile import read_arrays
-from jdp.sections import quoted, shorten
+from jdp.data.npyfile import read_arrays
+from jdp.text import quoted, shorten
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ def as_dataset(data: ArrayDataset | Mapping[str, np.ndarray]) -> ArrayDataset:
 def load_arrays(path: str | os.PathLike, *, key: str = "x") -> ArrayDataset:
     """A user's arrays from a `.npz` (every array it holds, by name) or `.npy` file (one array, named `key`).
 
-    Read by `jdp.npyfile.read_arrays` (`allow_pickle=False`, every header checked against the file
+    Read by `jdp.data.npyfile.read_arrays` (`allow_pickle=False`, every header checked against the file
     before numpy allocates). Raises ValueError for a missing file, another suffix, an object array
     (numpy pickles those), a header claiming more than its file holds or than the machine's memory,
     a file that is not numpy's format, or arrays of different lengths.

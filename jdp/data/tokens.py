@@ -22,7 +22,7 @@ import os
 import numpy as np
 
 from jdp.data.checks import check_int
-from jdp.sections import quoted
+from jdp.text import quoted
 
 TOKEN_DTYPES = ("uint8", "uint16", "uint32")
 SAMPLE_BLOCKS = 32  # blocks of SAMPLE_TOKENS token ids checked against vocab_size when the file is opened

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jdp.mesh import DATA_AXIS
+from jdp.core.mesh import DATA_AXIS
 from jdp.models.dtypes import compute_dtype
 
 IMAGE_SHAPE = (8, 8, 1)

@@ -10,14 +10,14 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from jdp.precision import DTYPES, dtype_name
+from jdp.core.precision import DTYPES, dtype_name
 
 
 def compute_dtype(value: Any) -> jnp.dtype:
     """None, jnp.float32, jnp.bfloat16 or "float32"/"fp32"/"bfloat16"/"bf16" → jnp.dtype.
 
     None means float32. Anything else (float16/"fp16" included) raises a one-sentence ValueError.
-    The names are the step's `precision` names (`jdp.precision.dtype_name`).
+    The names are the step's `precision` names (`jdp.core.precision.dtype_name`).
     """
     try:
         name = dtype_name(value, "dtype", allow_none=True)

@@ -5,7 +5,7 @@ are built without `rngs`, and `GPT.__call__(tokens, train=True, rngs=nnx.Rngs(dr
 supplies the key. jdp splits and merges the module fresh inside each jitted step, so an RNG
 counter stored in the module would make the masks depend on host-side state; with the key
 passed in, a mask is a function of the key alone (jdp derives one per (seed, micro-step,
-device) with `jdp.state.device_key`).
+device) with `jdp.core.state.device_key`).
 
 Options: `dtype` (compute dtype; params and logits stay float32), `attention="fused"` (causality
 from `jax.nn.dot_product_attention(..., is_causal=True)` instead of a materialised mask, same

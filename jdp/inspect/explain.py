@@ -16,13 +16,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jdp import explain_precision
+from jdp.core.mesh import DATA_AXIS, make_mesh
+from jdp.core.optim import OptimizerSpec
+from jdp.core.reduce import mean_over_devices, sum_over_devices
+from jdp.core.step import get_params
 from jdp.data import SEED_REGRESSIONS, load_seed_regression
-from jdp.explain_common import Problem, cached_step, cpu_devices, matrix_specs, max_abs_diff, table, train_problem
-from jdp.mesh import DATA_AXIS, make_mesh
-from jdp.optim import OptimizerSpec
-from jdp.reduce import mean_over_devices, sum_over_devices
-from jdp.step import get_params
+from jdp.inspect import explain_precision
+from jdp.inspect.explain_common import Problem, cached_step, cpu_devices, matrix_specs, max_abs_diff, table, train_problem
 
 EXPLAIN_DEVICES = 8  # fake CPU devices `jdp explain` needs
 REDUCTIONS = {  # name -> (reduction, lr_correction)

@@ -2,7 +2,7 @@
 
 A layout owns everything the two backends do differently: the state's shardings and stacking, batch
 placement, the per-device view of params and accumulator, donation, and how the compiled function
-is built. The algorithm (`jdp.algorithm.device_step`) is the same for both.
+is built. The algorithm (`jdp.core.algorithm.device_step`) is the same for both.
 """
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import optax
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jdp.mesh import batch_sharded, replicated
-from jdp.reduce import reduce_step_values
-from jdp.state import LocalAccum, TrainState
+from jdp.core.mesh import batch_sharded, replicated
+from jdp.core.reduce import reduce_step_values
+from jdp.core.state import LocalAccum, TrainState
 
 UNSIZED = None  # the aux part of an accumulator before the first call has shown aux's structure
 
@@ -55,17 +55,17 @@ class ShardMapLayout:
         """Fit the layout to `params`' shapes; True if that changed `state_shardings` (never here)."""
         return False
 
-    # The optimizer's view (see `jdp.algorithm.reduce_and_update`): here every device reduces the
+    # The optimizer's view (see `jdp.core.algorithm.reduce_and_update`): here every device reduces the
     # whole gradient and updates all the params; `jdp.zero.ShardedStateLayout` slices them.
     def reduce(self, grads, means, o):
         """`(grads, means)` reduced in one all-reduce: `reduce_step_values`' scales."""
         return reduce_step_values(grads, means, o.reduction, o.reduce_dtype, self.axis)
 
-    def own(self, params):
-        return params
+    def _as_is(self, value):
+        """`value` unchanged: in this layout every device holds it whole already."""
+        return value
 
-    def gather(self, params):
-        return params
+    own = gather = _as_is  # the params are replicated: each device owns and sees all of them
 
     def everywhere(self, flag):
         """A replicated bool is already the same on every device."""
@@ -140,14 +140,7 @@ class PmapLayout(ShardMapLayout):
         super().__init__(mesh, accum)
         self.state_shardings = state_tree(batch_sharded(mesh), batch_sharded(mesh), accum).replace(stacked=True)
 
-    def per_device(self, params):
-        return params
-
-    def local(self, accum):
-        return accum
-
-    def shared(self, accum):
-        return accum
+    per_device = local = shared = ShardMapLayout._as_is  # pmap hands each device its own slice already
 
     def spread(self, state: TrainState) -> TrainState:
         return self._copies(state).replace(stacked=True)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import optax
 
-from jdp.options import LR_CORRECTIONS, OptionError, _is_int
+from jdp.core.options import LR_CORRECTIONS, OptionError, _is_int
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
 SCHEDULES = ("constant", "cosine", "linear")
@@ -22,7 +22,7 @@ SCHEDULES = ("constant", "cosine", "linear")
 class OptimizerSpec:
     """An optimizer as data: `build()` turns it into an optax chain (clip -> optimizer, lr schedule inside).
 
-    Invalid values raise `jdp.options.OptionError` (a ValueError) whose `field` names the field.
+    Invalid values raise `jdp.core.options.OptionError` (a ValueError) whose `field` names the field.
     """
 
     name: str = "adam"  # one of OPTIMIZERS
@@ -112,7 +112,7 @@ class OptimizerSpec:
         if self.clip_norm is None:
             return opt
         if sharded:
-            from jdp.zero import clip_by_global_norm  # the sharded layout's module: needs the mesh axis
+            from jdp.core.zero import clip_by_global_norm  # the sharded layout's module: needs the mesh axis
             return optax.chain(clip_by_global_norm(self.clip_norm, axis), opt)
         return optax.chain(optax.clip_by_global_norm(self.clip_norm), opt)
 
@@ -181,7 +181,7 @@ def for_reduction(optimizer: optax.GradientTransformation | OptimizerSpec, lr_co
                   num_devices: int, sharded: bool = False, axis: str = "data") -> optax.GradientTransformation:
     """The transformation that consumes a gradient reduced over `num_devices`, with the psum correction applied.
 
-    `lr_correction` (resolved; see `jdp.options.StepOptions`): "none" builds `optimizer` as it is;
+    `lr_correction` (resolved; see `jdp.core.options.StepOptions`): "none" builds `optimizer` as it is;
     "auto" scales every update by 1/N; "exact" builds `exact_sum_spec(optimizer, N)`, which needs
     an `OptimizerSpec`. `sharded`, `axis`: see `OptimizerSpec.build`.
     """

@@ -7,7 +7,7 @@ import jax
 from flax import struct
 from jax import lax
 
-from jdp.mesh import DATA_AXIS
+from jdp.core.mesh import DATA_AXIS
 
 
 class LocalAccum(NamedTuple):

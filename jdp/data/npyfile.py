@@ -15,7 +15,7 @@ import zipfile
 
 import numpy as np
 
-from jdp.sections import quoted, shorten
+from jdp.text import quoted, shorten
 
 # The most bytes one compressed byte of a member can expand to, by zip method (deflate: 1032).
 _RATIO = {zipfile.ZIP_STORED: 1, zipfile.ZIP_DEFLATED: 1032}

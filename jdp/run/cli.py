@@ -36,6 +36,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"jdp {__version__}",
                         help="print jdp's version and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_train_parser(sub)
+    _add_plot_parser(sub)
+    _add_explain_parser(sub)
+    _add_config_parser(sub)
+    return parser
+
+
+def _add_train_parser(sub) -> None:
+    """`jdp train`: a config on N devices, resumable, with the multi-process options in their own group."""
     train = sub.add_parser(
         "train", help="train a config (default: an MLP on scikit-learn's digits)",
         description="Train CONFIG (a YAML file from configs/, default: an MLP on scikit-learn's bundled digits) "
@@ -60,6 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--fallback-to-intact", action="store_true",
                        help="if the newest checkpoint is damaged, resume from the newest intact one and move the "
                        "damaged ones to DIR/checkpoints.damaged (default: refuse)")
+    _add_multi_process_args(train)
+
+
+def _add_multi_process_args(train) -> None:
+    """`jdp train`'s options for a job of several processes (jax.distributed)."""
     multi = train.add_argument_group("multi-process runs (jax.distributed; --devices is then per process)")
     multi.add_argument("--coordinator", metavar="HOST:PORT", help="address of process 0, which hosts the coordinator")
     multi.add_argument("--num-processes", type=_positive_int, metavar="P",
@@ -73,11 +87,17 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds without a heartbeat after which a process counts as gone and the others stop "
                        "(default 10); raise it for processes that may pause (a debugger, a swapping host)")
 
+
+def _add_plot_parser(sub) -> None:
+    """`jdp plot`: a run's curves as a PNG."""
     plot = sub.add_parser("plot", help="save a PNG of a run's loss and accuracy curves",
                           description="Read DIR/metrics.jsonl and write DIR/curves.png (or --out).")
     plot.add_argument("workdir", metavar="DIR", help="the run directory (jdp train's --workdir)")
     plot.add_argument("--out", metavar="FILE.png", help="where to save the PNG (default: DIR/curves.png)")
 
+
+def _add_explain_parser(sub) -> None:
+    """`jdp explain`: why jdp averages gradients, measured on fake CPU devices."""
     explain = sub.add_parser("explain", help="show, with numbers, why jdp averages gradients instead of summing",
                              description="Run jdp's step on 8 fake CPU devices and print: the seed examples "
                              "(mean vs sum), the deviation of every optimizer x clipping x reduction x N from one "
@@ -91,8 +111,6 @@ def build_parser() -> argparse.ArgumentParser:
                          help="the step's backend (default shard_map)")
     explain.add_argument("--devices", type=_device_list, default=(2, 4, 8), metavar="N,N,...",
                          help="device counts of the matrix (default 2,4,8)")
-    _add_config_parser(sub)
-    return parser
 
 
 def _add_config_parser(sub) -> None:
@@ -125,7 +143,7 @@ def _cpu_asked_for(args, config, devices) -> bool:
     """Whether this command asks for a number of steps (--steps, --stop-after): that lets a config
     meant for accelerators (train.accelerator_only) train on CPUs. Without it, such a config on
     CPUs is refused here, in one sentence that says how to run it anyway."""
-    from jdp.train import meant_for_accelerators
+    from jdp.run.train import meant_for_accelerators
 
     asked = args.steps is not None or args.stop_after is not None
     if meant_for_accelerators(config, devices) and not asked:
@@ -150,43 +168,16 @@ def _quiet_closed_loop_callbacks() -> None:
 def cmd_train(args) -> int:
     import os
 
-    from jdp.config import load_config
-
     if args.workdir == "":
         raise ValueError("--workdir '' is empty; name the run's directory (or leave --workdir out for "
                          "runs/<config name>).")
-    distributed = args.coordinator is not None or args.auto_distributed
-    flags = {"parallel.devices": None if distributed else args.devices, "train.steps": args.steps,
-             "train.log_every": args.log_every, "train.checkpoint_every": args.checkpoint_every}
-    overrides = [*args.set, *(f"{k}={v}" for k, v in flags.items() if v is not None)]
-    config = load_config(args.config, overrides)  # fails on a bad config before any device is set up
-    if distributed:
-        from jdp.cpu import use_cpu_devices
-        from jdp.distributed import initialize
-
-        if config.parallel.devices:
-            raise ValueError("parallel.devices cannot be set in a multi-process run: every process's devices "
-                             "join; --devices sets each process's (fake CPU) device count.")
-        use_cpu_devices(args.devices or 1)  # CPU-only machines: fake devices per process
-        initialize(args.coordinator, args.num_processes, args.process_id, timeout_s=args.init_timeout,
-                   heartbeat_s=args.heartbeat_timeout)
-        import jax
-
-        devices = jax.devices()
-    else:
-        if args.num_processes or args.process_id is not None:
-            raise ValueError("--num-processes and --process-id need --coordinator HOST:PORT.")
-        devices = _devices(config.parallel.devices)
-
-    import jax
-    import numpy as np
-
-    from jdp.checkpoint import CheckpointWriteError, NonFiniteStateError
-    from jdp.train import EvaluationOutOfMemoryError, NonFiniteError, train
+    config, devices = _train_config_and_devices(args)
+    # Imported once the devices are set up: the fake CPU devices must be asked for before jax starts.
+    from jdp.run.checkpoint import CheckpointWriteError, NonFiniteStateError
+    from jdp.run.train import EvaluationOutOfMemoryError, NonFiniteError, train
 
     allow_cpu = _cpu_asked_for(args, config, devices)
     _quiet_closed_loop_callbacks()
-
     name = os.path.splitext(os.path.basename(args.config))[0] if args.config else "digits_mlp"
     workdir = os.path.join("runs", name) if args.workdir is None else args.workdir
     try:
@@ -210,8 +201,46 @@ def cmd_train(args) -> int:
         print(f"jdp: error: the disk is full ({e.strerror}{where}); every checkpoint already saved is intact: free "
               f"some space and rerun the same command to resume.", file=sys.stderr)
         return 1
+    _print_result(result, config, workdir)
+    return 0
+
+
+def _train_config_and_devices(args) -> tuple:
+    """`jdp train`'s config (file, --set and the flags) and devices: this process's own, or every
+    process's once jax.distributed is initialised (--coordinator, --auto-distributed)."""
+    from jdp.run.config import load_config
+
+    distributed = args.coordinator is not None or args.auto_distributed
+    flags = {"parallel.devices": None if distributed else args.devices, "train.steps": args.steps,
+             "train.log_every": args.log_every, "train.checkpoint_every": args.checkpoint_every}
+    overrides = [*args.set, *(f"{k}={v}" for k, v in flags.items() if v is not None)]
+    config = load_config(args.config, overrides)  # fails on a bad config before any device is set up
+    if not distributed:
+        if args.num_processes or args.process_id is not None:
+            raise ValueError("--num-processes and --process-id need --coordinator HOST:PORT.")
+        return config, _devices(config.parallel.devices)
+    from jdp.cpu import use_cpu_devices
+    from jdp.run.distributed import initialize
+
+    if config.parallel.devices:
+        raise ValueError("parallel.devices cannot be set in a multi-process run: every process's devices "
+                         "join; --devices sets each process's (fake CPU) device count.")
+    use_cpu_devices(args.devices or 1)  # CPU-only machines: fake devices per process
+    initialize(args.coordinator, args.num_processes, args.process_id, timeout_s=args.init_timeout,
+               heartbeat_s=args.heartbeat_timeout)
+    import jax
+
+    return config, jax.devices()
+
+
+def _print_result(result, config, workdir: str) -> None:
+    """The run's last console line (process 0): how far it got, the held-out metrics, the workdir;
+    the params themselves for tiny models (the seed examples)."""
+    import jax
+    import numpy as np
+
     if jax.process_index():
-        return 0
+        return
     evals = "  ".join(f"{k} {v:.4f}" for k, v in result.eval.items())
     if result.resumed_from == result.steps == config.train.steps:  # nothing left to train
         head = f"the run is complete ({result.steps} of {config.train.steps} steps, trained earlier)"
@@ -221,12 +250,12 @@ def cmd_train(args) -> int:
     print(head + (f"; held-out {evals}" if evals else "") + f"; workdir {workdir}")
     leaves = jax.tree_util.tree_leaves_with_path(result.params)
     if sum(np.size(v) for _, v in leaves) <= 8:  # tiny models (the seed examples): show the params
-        print("params: " + ", ".join(f"{jax.tree_util.keystr(k)} = {np.round(np.asarray(v, np.float64), 6).tolist()}" for k, v in leaves))
-    return 0
+        print("params: " + ", ".join(f"{jax.tree_util.keystr(k)} = {np.round(np.asarray(v, np.float64), 6).tolist()}"
+                                     for k, v in leaves))
 
 
 def cmd_plot(args) -> int:
-    from jdp.metrics import plot_metrics
+    from jdp.run.metrics import plot_metrics
 
     if args.out and not args.out.lower().endswith(".png"):
         raise ValueError(f"--out {args.out!r} must name a .png file.")
@@ -246,7 +275,7 @@ def cmd_explain(args) -> int:
     import json
 
     from jdp.cpu import backends_started, use_cpu_devices
-    from jdp.explain import EXPLAIN_DEVICES, explain, plot, progress_to, render
+    from jdp.inspect.explain import EXPLAIN_DEVICES, explain, plot, progress_to, render
 
     if args.plot and not args.plot.lower().endswith(".png"):
         raise ValueError(f"--plot {args.plot!r} must name a .png file.")
@@ -267,7 +296,7 @@ def cmd_explain(args) -> int:
 def cmd_config(args) -> int:
     import json
 
-    from jdp.config_schema import config_schema
+    from jdp.run.config_schema import config_schema
 
     print(json.dumps(config_schema(), indent=2, ensure_ascii=False))  # config_command is "schema", the only one
     return 0
@@ -335,7 +364,7 @@ def supervise(argv: list[str], process_id, heartbeat_s: int = 10) -> int:
 
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
-    child = subprocess.Popen([sys.executable, "-m", "jdp.cli", *argv], env={**os.environ, _SUPERVISED: "1"},
+    child = subprocess.Popen([sys.executable, "-m", "jdp.run.cli", *argv], env={**os.environ, _SUPERVISED: "1"},
                              stderr=subprocess.PIPE, text=True, errors="replace",
                              preexec_fn=die_with_parent if sys.platform == "linux" else None)
     tail: list[str] = []

@@ -2,35 +2,18 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
 
-from jdp import data as D
+from jdp.bridges.task import Task
+from jdp.core.precision import DTYPES
+import jdp.data as D
 from jdp.data import MASK_KEY, ArrayDataset
 from jdp.models import CNN, GPT, MLP, functional
-from jdp.precision import DTYPES
-from jdp.sections import quoted, shorten
-
-
-@dataclass(frozen=True)
-class Task:
-    """A model and its data, in the form the step and the loop consume."""
-
-    params: Any  # initial params (identical on every host: one seed)
-    model_state: Any  # non-parameter state (BatchNorm statistics), () if none
-    loss_fn: Callable  # loss_fn(params, model_state, batch, rng) -> (loss, (aux, new_model_state))
-    metric_fn: Callable  # metric_fn(params, model_state, batch) -> {name: per-example values}
-    train: Any  # a jdp.data source (ArrayDataset, TokenWindows, ItemSource over a grain.MapDataset, ...)
-    test: Any  # a source evaluated at eval steps; None: no held-out set
-    description: str
-    sync_batchnorm: bool = True  # False: the model keeps per-device statistics (the step's sync_batchnorm)
-    transform: Callable | None = None  # transform(example, rng) on every training example (jdp.data.make_batches)
+from jdp.text import quoted, shorten
 
 
 def _masked_mean(values, batch):

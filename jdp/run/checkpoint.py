@@ -25,9 +25,9 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jdp.state import TrainState
-from jdp.step import TrainStep, get_tree
-from jdp.workfiles import finish_deletions, refuse_symlink, refuse_symlinks_in, remove_checkpoint
+from jdp.core.state import TrainState
+from jdp.core.step import TrainStep, get_tree
+from jdp.run.workfiles import finish_deletions, refuse_symlink, refuse_symlinks_in, remove_checkpoint
 
 # What orbax (and tensorstore beneath it) raise for a checkpoint it cannot read back: missing
 # items or files (KeyError, FileNotFoundError), truncated JSON (ValueError), a metadata tree of
@@ -192,6 +192,79 @@ def _chain(error: BaseException) -> list[BaseException]:
     return [e for e in chain if not isinstance(e, StopIteration)] or chain
 
 
+@contextlib.contextmanager
+def _out_of_space(directory: str, writing: tuple[int | None, int]):
+    """Turn orbax's (tensorstore's) error for a write that ran out of space into CheckpointWriteError;
+    `writing`: (the checkpoint being written, its arrays' bytes)."""
+    try:
+        yield
+    except Exception as e:
+        code = _out_of_space_code(e)
+        if code is None:
+            raise
+        step_number, size = writing
+        raise CheckpointWriteError(code, f"checkpoint {step_number} could not be written to {directory!r} "
+                                   f"({os.strerror(code)}: a full disk, a quota or the file-size limit); it "
+                                   f"needs about {_megabytes(size)} of free space (its arrays) in one file "
+                                   f"system, and every checkpoint saved before it is intact") from None
+
+
+class _Diagnosis:
+    """Why a checkpoint of `directory` cannot be restored, as the error to raise: damaged (a checksum),
+    unreadable, not permitted, or holding another structure than the step's; each with its advice."""
+
+    def __init__(self, directory: str, manager: ocp.CheckpointManager):
+        self.directory, self._manager = directory, manager
+
+    def advice(self, step_number: int) -> str:
+        older = [s for s in self._manager.all_steps() if s < step_number]
+        if not older:
+            return "remove it or use another --workdir."
+        return (f"rerun with --fallback-to-intact to resume from the newest intact older checkpoint (of "
+                f"{', '.join(map(str, sorted(older)))}) and move this one to {self.directory + '.damaged'!r}, or "
+                f"use another --workdir.")
+
+    def damaged(self, step_number: int, what: str) -> DamagedCheckpointError:
+        return DamagedCheckpointError(f"checkpoint {step_number} in {self.directory!r} is damaged: its {what} do not "
+                                      f"match the sha256 recorded when it was saved", self.advice(step_number))
+
+    def unreadable(self, step_number: int, error: BaseException) -> ValueError:
+        """The error for a checkpoint that orbax cannot read back: not permitted to (a plain ValueError),
+        or damaged, truncated or not jdp's (DamagedCheckpointError)."""
+        chain = _chain(error)
+        cause = chain[-1]  # the root cause says most
+        text = cause.args[0] if isinstance(cause, KeyError) and cause.args else cause
+        text = (str(text).strip().splitlines() or [""])[0].rstrip(".:") or "no details"
+        text = text if len(text) <= 300 else text[:299] + "…"
+        if any(isinstance(e, PermissionError) or "PERMISSION_DENIED" in str(e) for e in chain):
+            return ValueError(f"checkpoint {step_number} in {self.directory!r} cannot be read ({text}); give this "
+                              f"user read permission on it or use another --workdir.")
+        return DamagedCheckpointError(f"checkpoint {step_number} in {self.directory!r} is unreadable "
+                                      f"({type(cause).__name__}: {text})", self.advice(step_number))
+
+    def other_structure(self, step_number: int, canonical: TrainState) -> CheckpointMismatchError | None:
+        """The error for a readable checkpoint whose state has another structure than this step's (another
+        optimizer, model or model state); None when the saved structure cannot be read or is the same."""
+        try:
+            saved = ocp.StandardCheckpointer().metadata(
+                os.path.join(str(self._manager.directory), str(step_number), "state")).item_metadata
+            saved = saved.tree if hasattr(saved, "tree") else saved
+        except _UNREADABLE:
+            return None
+        if not (isinstance(saved, dict) and {"params", "opt_state"} <= saved.keys() and _structure(saved["params"])):
+            return None  # a damaged or truncated state: not a question of structure
+        for part, what in (("opt_state", "an optimizer state"), ("params", "params"), ("model_state", "a model state")):
+            theirs, mine = _structure(saved.get(part) if isinstance(saved, dict) else None), _structure(
+                getattr(canonical, part))
+            if theirs != mine:
+                return CheckpointMismatchError(
+                    f"checkpoint {step_number} in {self.directory!r} holds {what} of another structure "
+                    f"(checkpoint: {_shown(theirs)}; this step: {_shown(mine)}), so it was written with another "
+                    f"{'optimizer' if part == 'opt_state' else 'model'}; restore it with the one it was trained "
+                    f"with, or use another --workdir for this one.")
+        return None
+
+
 class Checkpointer:
     """Saves and restores `(state, data_state, run)` under `directory/<step>/`, verified by checksums."""
 
@@ -214,6 +287,8 @@ class Checkpointer:
         # jdp rotates itself (`_rotate`): orbax's max_to_keep would delete any step-named entry.
         self.keep = keep
         self._manager = ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(max_to_keep=None))
+        self._diagnosis = _Diagnosis(self.directory, self._manager)
+        self._writing = (None, 0)  # the checkpoint being saved and its bytes, for an out-of-space error
 
     def latest_step(self) -> int | None:
         """The newest complete checkpoint's optimizer step, or None if there is none."""
@@ -234,7 +309,7 @@ class Checkpointer:
         meta["checksums"] = {"state": tree_digest(host), "meta": _json_digest(meta)}
         self.wait()  # orbax would wait for the previous save too; then rotate before starting this one
         self._writing = (step_number, sum(np.asarray(x).nbytes for x in jax.tree.leaves(host)))
-        with self._out_of_space():
+        with _out_of_space(self.directory, self._writing):
             self._manager.save(step_number, args=ocp.args.Composite(
                 state=ocp.args.StandardSave(canonical), meta=ocp.args.JsonSave(meta)))
 
@@ -244,28 +319,13 @@ class Checkpointer:
         Raises CheckpointWriteError (an OSError) if a save ran out of space (a full disk, a quota,
         the file-size limit); the checkpoints saved before it are intact.
         """
-        with self._out_of_space():
+        with _out_of_space(self.directory, self._writing):
             self._manager.wait_until_finished()
         self._rotate()
 
-    @contextlib.contextmanager
-    def _out_of_space(self):
-        """Turn orbax's (tensorstore's) error for a write that ran out of space into CheckpointWriteError."""
-        try:
-            yield
-        except Exception as e:
-            code = _out_of_space_code(e)
-            if code is None:
-                raise
-            step_number, size = getattr(self, "_writing", (None, 0))
-            raise CheckpointWriteError(code, f"checkpoint {step_number} could not be written to {self.directory!r} "
-                                       f"({os.strerror(code)}: a full disk, a quota or the file-size limit); it "
-                                       f"needs about {_megabytes(size)} of free space (its arrays) in one file "
-                                       f"system, and every checkpoint saved before it is intact") from None
-
     def _rotate(self) -> None:
         """Delete all but the newest `keep` complete checkpoints (process 0), each only if it is
-        provably jdp's (`jdp.workfiles.remove_checkpoint`); anything else in the directory is kept."""
+        provably jdp's (`jdp.run.workfiles.remove_checkpoint`); anything else in the directory is kept."""
         if jax.process_index() != 0:
             return
         finish_deletions(self.directory)
@@ -284,58 +344,10 @@ class Checkpointer:
             if not isinstance(meta.get("checksums"), dict):
                 raise KeyError("its metadata has no 'checksums', so a jdp that did not verify checkpoints wrote it")
         except _UNREADABLE as e:
-            raise self._unreadable(step_number, e) from None
+            raise self._diagnosis.unreadable(step_number, e) from None
         if _json_digest({"data_state": meta["data_state"], "run": meta["run"]}) != meta["checksums"].get("meta"):
-            raise self._damaged(step_number, "data position and run identity")
+            raise self._diagnosis.damaged(step_number, "data position and run identity")
         return meta
-
-    def _advice(self, step_number: int) -> str:
-        older = [s for s in self._manager.all_steps() if s < step_number]
-        if not older:
-            return "remove it or use another --workdir."
-        return (f"rerun with --fallback-to-intact to resume from the newest intact older checkpoint (of "
-                f"{', '.join(map(str, sorted(older)))}) and move this one to {self.directory + '.damaged'!r}, or "
-                f"use another --workdir.")
-
-    def _damaged(self, step_number: int, what: str) -> DamagedCheckpointError:
-        return DamagedCheckpointError(f"checkpoint {step_number} in {self.directory!r} is damaged: its {what} do not "
-                                      f"match the sha256 recorded when it was saved", self._advice(step_number))
-
-    def _unreadable(self, step_number: int, error: BaseException) -> ValueError:
-        """The error for a checkpoint that orbax cannot read back: not permitted to (a plain ValueError),
-        or damaged, truncated or not jdp's (DamagedCheckpointError)."""
-        chain = _chain(error)
-        cause = chain[-1]  # the root cause says most
-        text = cause.args[0] if isinstance(cause, KeyError) and cause.args else cause
-        text = (str(text).strip().splitlines() or [""])[0].rstrip(".:") or "no details"
-        text = text if len(text) <= 300 else text[:299] + "…"
-        if any(isinstance(e, PermissionError) or "PERMISSION_DENIED" in str(e) for e in chain):
-            return ValueError(f"checkpoint {step_number} in {self.directory!r} cannot be read ({text}); give this "
-                              f"user read permission on it or use another --workdir.")
-        return DamagedCheckpointError(f"checkpoint {step_number} in {self.directory!r} is unreadable "
-                                      f"({type(cause).__name__}: {text})", self._advice(step_number))
-
-    def _other_structure(self, step_number: int, canonical: TrainState) -> CheckpointMismatchError | None:
-        """The error for a readable checkpoint whose state has another structure than this step's (another
-        optimizer, model or model state); None when the saved structure cannot be read or is the same."""
-        try:
-            saved = ocp.StandardCheckpointer().metadata(
-                os.path.join(str(self._manager.directory), str(step_number), "state")).item_metadata
-            saved = saved.tree if hasattr(saved, "tree") else saved
-        except _UNREADABLE:
-            return None
-        if not (isinstance(saved, dict) and {"params", "opt_state"} <= saved.keys() and _structure(saved["params"])):
-            return None  # a damaged or truncated state: not a question of structure
-        for part, what in (("opt_state", "an optimizer state"), ("params", "params"), ("model_state", "a model state")):
-            theirs, mine = _structure(saved.get(part) if isinstance(saved, dict) else None), _structure(
-                getattr(canonical, part))
-            if theirs != mine:
-                return CheckpointMismatchError(
-                    f"checkpoint {step_number} in {self.directory!r} holds {what} of another structure "
-                    f"(checkpoint: {_shown(theirs)}; this step: {_shown(mine)}), so it was written with another "
-                    f"{'optimizer' if part == 'opt_state' else 'model'}; restore it with the one it was trained "
-                    f"with, or use another --workdir for this one.")
-        return None
 
     def _restore_verified(self, step: TrainStep, like: TrainState, run: dict, step_number: int) -> tuple:
         """(state, data_state) of checkpoint `step_number`, after checking its identity and checksums."""
@@ -351,9 +363,10 @@ class Checkpointer:
             restored = self._manager.restore(step_number, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract))).state
         except _UNREADABLE as e:
-            raise self._other_structure(step_number, canonical) or self._unreadable(step_number, e) from None
+            found = self._diagnosis
+            raise found.other_structure(step_number, canonical) or found.unreadable(step_number, e) from None
         if tree_digest(jax.device_get(restored)) != saved["checksums"].get("state"):
-            raise self._damaged(step_number, "saved arrays")
+            raise self._diagnosis.damaged(step_number, "saved arrays")
         return restored, saved["data_state"]
 
     def restore(self, step: TrainStep, like: TrainState, run: dict, step_number: int | None = None, *,

@@ -16,9 +16,9 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jdp.replicas import check_replicas
-from jdp.step import get_tree
-from jdp.step import make_train_step as make_array_step
+from jdp.core.step import get_tree
+from jdp.core.step import make_train_step as make_array_step
+from jdp.inspect.replicas import check_replicas
 
 # dtype: (rtol, atol). A leaf passes if max |jdp - reference| <= atol + rtol * max |reference|.
 # Summing N shards in another order moves the last bits; measured over 6 steps of an MLP with SGD,
@@ -145,8 +145,7 @@ def assert_data_parallel_exact(loss_fn: Callable, optimizer, params_or_model, ba
       optimizer: an optax transformation (or, for a model, an `nnx.Optimizer`: its `tx`).
       params_or_model: a pytree of arrays, or an `nnx.Module` (never modified). A model that draws
         random numbers (Dropout) cannot match one device: make it deterministic for this test.
-      batches: global batches, each `accum_steps` × N × b examples along the leading axis; one
-        optimizer step each.
+      batches: global batches, each `accum_steps` × N × b examples along the leading axis (a step each).
       devices: the N devices, default all of `jax.devices()` (at least 2 unless given).
       backends, accum_sync: every combination is run (accum_sync only when accum_steps > 1),
         each compiled once; so is the reference.
@@ -179,12 +178,8 @@ def assert_data_parallel_exact(loss_fn: Callable, optimizer, params_or_model, ba
     batches, backends, syncs = _checked_arguments(batches, backends, accum_sync, step_options)
     devices = _checked_devices(devices)
     setup = _setup(loss_fn, optimizer, params_or_model, has_aux, has_state, model_state, rtol, atol)
-    reference_tx = setup.tx if accum_steps == 1 else optax.MultiSteps(setup.tx, accum_steps).gradient_transformation()
-    reference = (_reference_model(loss_fn, reference_tx, params_or_model, batches, accum_steps, has_aux, devices[0])
-                 if isinstance(params_or_model, nnx.Module) else
-                 _reference_params(setup, reference_tx, batches, accum_steps, step_options.get("axis_name", "data"),
-                                   devices[0]))
-    _check_reference_finite(reference[1])
+    reference = _reference(setup, loss_fn, params_or_model, batches, accum_steps, has_aux,
+                           step_options.get("axis_name", "data"), devices[0])
     rows, labels = [], []
     for backend in backends:
         for sync in (syncs if accum_steps > 1 else syncs[:1]):
@@ -193,6 +188,18 @@ def assert_data_parallel_exact(loss_fn: Callable, optimizer, params_or_model, ba
             options = dict(step_options, backend=backend, devices=devices, accum_steps=accum_steps, accum_sync=sync)
             rows += _compare_run(label, setup, _run_jdp(label, setup, batches, options), reference)
     return _verdict(rows, labels, len(devices), len(batches))
+
+
+def _reference(setup, loss_fn, params_or_model, batches: list, accum_steps: int, has_aux: bool, axis: str, device):
+    """The one-device run every jdp run is compared with (`_reference_model` for an nnx model, else
+    `_reference_params`), through `optax.MultiSteps` over the micro-batches when accum_steps > 1;
+    NotExactError if it went NaN/Inf."""
+    tx = setup.tx if accum_steps == 1 else optax.MultiSteps(setup.tx, accum_steps).gradient_transformation()
+    reference = (_reference_model(loss_fn, tx, params_or_model, batches, accum_steps, has_aux, device)
+                 if isinstance(params_or_model, nnx.Module) else
+                 _reference_params(setup, tx, batches, accum_steps, axis, device))
+    _check_reference_finite(reference[1])
+    return reference
 
 
 def _checked_arguments(batches, backends, accum_sync, step_options):
@@ -304,7 +311,7 @@ def _verdict(rows: list[LeafDiff], labels: list[str], devices: int, steps: int) 
 
 
 def _nnx_make_train_step(model, loss_fn, optimizer, **options):
-    from jdp.nnx import make_train_step
+    from jdp.bridges.nnx import make_train_step
 
     return make_train_step(model, loss_fn, optimizer, **options)
 

@@ -2,9 +2,9 @@
 
 Editors use it for completion, hover text and checks as you type (yaml-language-server: a
 `# yaml-language-server: $schema=jdp.schema.json` first line, or `yaml.schemas` in VS Code's
-settings). Every field comes from the section dataclasses of `jdp.config_sections`: its type from
+settings). Every field comes from the section dataclasses of `jdp.run.config_sections`: its type from
 the annotation, its default, its docstring as the description, and its allowed values from its
-`jdp.sections.Rule` (`Rule.schema`). A field added to a section appears here with no other change.
+`jdp.run.sections.Rule` (`Rule.schema`). A field added to a section appears here with no other change.
 
 What the schema cannot say: the checks across fields (`jdp.config.validate`: model × dataset, the
 batch divisible by accum_steps × devices, ...), and the range of a number written as a string in
@@ -16,11 +16,11 @@ import inspect
 import typing
 from dataclasses import MISSING, fields
 
-from jdp.config_sections import SECTIONS
-from jdp.sections import field_docs
+from jdp.run.config_sections import SECTIONS
+from jdp.run.sections import field_docs
 
 DRAFT = "https://json-schema.org/draft/2020-12/schema"
-# What YAML 1.1 leaves a string and jdp reads as a float (`jdp.sections._EXPONENT`).
+# What YAML 1.1 leaves a string and jdp reads as a float (`jdp.run.sections._EXPONENT`).
 EXPONENT = r"^\s*[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+\s*$"
 
 
@@ -42,7 +42,7 @@ def _type_schema(tp, rule) -> dict:
         schema = {"type": "array", **rule.schema}
         schema["items"] = {"type": "integer", "maximum": rule.top, **rule.schema.get("items", {})}
         return schema
-    raise TypeError(f"jdp.config_schema has no JSON Schema for type {tp!r}.")
+    raise TypeError(f"jdp.run.config_schema has no JSON Schema for type {tp!r}.")
 
 
 def _default(f):
@@ -51,7 +51,7 @@ def _default(f):
 
 
 def section_schema(cls: type) -> dict:
-    """The JSON Schema of one section (`jdp.config_sections.ModelConfig`, ...): an object of its fields."""
+    """The JSON Schema of one section (`jdp.run.config_sections.ModelConfig`, ...): an object of its fields."""
     hints, docs = typing.get_type_hints(cls), field_docs(cls)
     properties = {}
     for f in fields(cls):

@@ -1,6 +1,6 @@
 """`jdp explain`'s bf16 gradient communication: what `reduce_dtype="bfloat16"` costs in params.
 
-The deviation matrix's problem (`jdp.explain_common.Problem`: MLP 8-16-4, global batch 32, K = 3 steps),
+The deviation matrix's problem (`jdp.inspect.explain_common.Problem`: MLP 8-16-4, global batch 32, K = 3 steps),
 trained by jdp's step on N fake CPU devices with the gradient all-reduced in bfloat16, against ONE
 float32 device; beside it the same N with the all-reduce in float32 (the gradient's own dtype).
 Forward and backward stay float32 here: only the communication changes.
@@ -19,8 +19,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from jdp.comm import parse_collectives
-from jdp.explain_common import Problem, cached_step, matrix_specs, max_abs_diff, mlp_loss, table, train_problem
+from jdp.inspect.comm import parse_collectives
+from jdp.inspect.explain_common import Problem, cached_step, matrix_specs, max_abs_diff, mlp_loss, table, train_problem
 
 OPTIMIZERS = ("sgd", "adam")  # the matrix's specs, clipping off: a linear update and a normalised one
 REDUCE_DTYPES = ("float32", "bfloat16")

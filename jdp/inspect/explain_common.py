@@ -1,9 +1,9 @@
 """What every part of `jdp explain` shares: the devices, jdp's step built once per configuration,
 the matrix's small problem and its optimizers, and the style of its tables.
 
-`jdp.explain` (the seeds, the deviation matrix, Adam's ε, clipping, fp16, the report) and
-`jdp.explain_precision` (bf16 gradient communication) both import this module; `jdp.explain`
-also calls `jdp.explain_precision`, which imports nothing of `jdp.explain`: one direction only.
+`jdp.inspect.explain` (the seeds, the deviation matrix, Adam's ε, clipping, fp16, the report) and
+`jdp.inspect.explain_precision` (bf16 gradient communication) both import this module; `jdp.inspect.explain`
+also calls `jdp.inspect.explain_precision`, which imports nothing of `jdp.inspect.explain`: one direction only.
 """
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jdp.optim import OptimizerSpec
-from jdp.step import get_params, make_train_step
+from jdp.core.optim import OptimizerSpec
+from jdp.core.step import get_params, make_train_step
 
 
 def cpu_devices(n: int) -> list:
@@ -36,7 +36,7 @@ def cached_step(loss_fn, spec: OptimizerSpec, reduction: str, lr_correction, n: 
     XLA's compilation is ~80% of each run here (~0.3 s against ~1 ms of stepping), and the parts
     share configurations: the clip threshold is the matrix's SGD reference, the Adam ε sweep and
     the clipping rates run rows of the matrix (the loss scale is a batch input, so one compiled
-    step serves every scale). `jdp.explain.explain()` clears the cache when it returns.
+    step serves every scale). `jdp.inspect.explain.explain()` clears the cache when it returns.
     """
     return make_train_step(loss_fn, spec, backend=backend, reduction=reduction, lr_correction=lr_correction,
                            devices=cpu_devices(n), reduce_dtype=reduce_dtype)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jdp.precision import dtype_name
+from jdp.core.precision import dtype_name
 
 BACKENDS = ("shard_map", "pmap")
 REDUCTIONS = ("mean", "sum")

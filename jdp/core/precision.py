@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jdp.sections import shorten
+from jdp.text import shorten
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 ALIASES = {"fp32": "float32", "bf16": "bfloat16"}

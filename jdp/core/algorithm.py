@@ -1,6 +1,6 @@
 """The per-device step: grad -> reduce -> accumulate -> update, as pure functions of the state.
 
-`device_step` runs on one device's b examples inside a layout (`jdp.layouts`): `jax.shard_map` or
+`device_step` runs on one device's b examples inside a layout (`jdp.core.layouts`): `jax.shard_map` or
 `jax.pmap` over one mesh axis (`layout.axis`, "data" unless `axis_name=` says otherwise). It never asks which one: the layout hands it a `per_device` view of
 the params and of the accumulator. Scales, with N devices, b examples per device and call, M calls
 per optimizer step (accum_steps):
@@ -19,9 +19,9 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jdp.options import StepOptions
-from jdp.reduce import mean_over_devices
-from jdp.state import LocalAccum, TrainState, device_key
+from jdp.core.options import StepOptions
+from jdp.core.reduce import mean_over_devices
+from jdp.core.state import LocalAccum, TrainState, device_key
 
 
 class Update(NamedTuple):
@@ -39,7 +39,7 @@ class Step(NamedTuple):
     loss: object  # (params, model_state, batch, key) -> (loss, (aux, model_state)): `call_loss` bound to loss_fn
     optimizer: optax.GradientTransformation  # consumes the reduced gradient (MultiSteps with "every", M > 1)
     options: StepOptions
-    layout: object  # a `jdp.layouts` layout: the per-device views of params and accumulator
+    layout: object  # a `jdp.core.layouts` layout: the per-device views of params and accumulator
 
 
 def device_step(state: TrainState, batch, step: Step) -> tuple[TrainState, dict]:

@@ -11,7 +11,7 @@ import tempfile
 
 import numpy as np
 
-from jdp.workfiles import SymlinkRefusedError, open_nofollow, refuse_symlink
+from jdp.run.workfiles import SymlinkRefusedError, open_nofollow, refuse_symlink
 
 # Peak dense (no sparsity) bf16 tensor-core FLOP/s per device, from the vendors' data sheets; the
 # denominator of MFU. Keys are matched in order as substrings of jax's `device.device_kind` (e.g.

@@ -17,7 +17,7 @@ import os
 import socket
 import time
 
-from jdp.workfiles import open_nofollow
+from jdp.run.workfiles import open_nofollow
 
 LOCK_NAME = ".jdp-lock"
 _READ_TRIES = 20  # a holder writes its name right after locking: give it up to ~1 s to appear

@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jdp.mesh import DATA_AXIS
-from jdp.options import REDUCTIONS
+from jdp.core.mesh import DATA_AXIS
+from jdp.core.options import REDUCTIONS
 
 
 def low_precision(x) -> bool:

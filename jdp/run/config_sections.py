@@ -1,9 +1,9 @@
 """The five sections of a `jdp.config.Config`: frozen dataclasses with a docstring and a rule per field.
 
 `jdp.config` re-exports every name here; import them from there. Each field is type- and
-range-checked on construction (`jdp.sections.Section`). The step's own options (train.precision,
+range-checked on construction (`jdp.run.sections.Section`). The step's own options (train.precision,
 parallel.reduce_dtype) are checked, and their aliases resolved ("bf16" -> "bfloat16"), by
-`jdp.options.StepOptions` itself, so that a config and `make_train_step` follow one rule and two
+`jdp.core.options.StepOptions` itself, so that a config and `make_train_step` follow one rule and two
 spellings of one run have one identity.
 """
 from __future__ import annotations
@@ -11,12 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from jdp.core.optim import OPTIMIZERS, SCHEDULES
+from jdp.core.options import ACCUM_SYNCS, BACKENDS, LR_CORRECTIONS, REDUCTIONS, OptionError, StepOptions
+from jdp.core.precision import ALIASES, DTYPES
 from jdp.data.datasets import SEED_REGRESSIONS
 from jdp.data.tokens import TOKEN_DTYPES
-from jdp.optim import OPTIMIZERS, SCHEDULES
-from jdp.options import ACCUM_SYNCS, BACKENDS, LR_CORRECTIONS, REDUCTIONS, OptionError, StepOptions
-from jdp.precision import ALIASES, DTYPES
-from jdp.sections import (BOOL, COUNT, FRACTION, NON_NEGATIVE, PATH, POSITIVE, POSITIVE_INT, SEED, TWO_WIDTHS, UNIT,
+from jdp.run.sections import (BOOL, COUNT, FRACTION, NON_NEGATIVE, PATH, POSITIVE, POSITIVE_INT, SEED, TWO_WIDTHS, UNIT,
                           WIDTHS, ConfigError, Rule, Section, one_of, or_null)
 
 MODELS = ("mlp", "cnn", "gpt", "linear")
@@ -216,11 +216,13 @@ class TrainConfig(Section):
     log_every: int = 50
     """Log every this many optimizer steps (and at the last)."""
     eval_every: int = 0
-    """Evaluate every this many optimizer steps; 0: only at the end."""
+    """Evaluate every this many optimizer steps (and at the last); 0: only at the end. Each evaluation
+    reads the whole held-out set."""
     checkpoint_every: int = 0
     """Checkpoint every this many optimizer steps; 0: only at the end."""
     keep_checkpoints: int = 3
-    """The most recent checkpoints kept on disk."""
+    """The most recent checkpoints kept on disk; an older one is deleted once a newer one is complete,
+    and only if jdp wrote it."""
     max_nonfinite: int = 3
     """Skip updates with NaN/Inf gradients, stopping after this many in a row; 0: never skip."""
     seed: int = 0

@@ -13,7 +13,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jdp.state import device_key
+from jdp.core.state import device_key
 
 # Spread across devices, relative to the leaf's largest value, that counts as "the same on every device".
 # Synchronised statistics are one all-reduce's result: bit-identical on CPU. Per-device statistics of

@@ -29,24 +29,11 @@ from typing import Any, ClassVar
 
 import yaml
 
+from jdp.text import MAX_SHOWN, quoted, shorten
+
 
 class ConfigError(ValueError):
     """A config that cannot run, with one sentence naming the key and the values it accepts."""
-
-
-MAX_SHOWN = 200  # characters of user input an error message quotes
-
-
-def shorten(text: str, limit: int = MAX_SHOWN) -> str:
-    """`text`, cut to `limit` characters ending in "...", so that an error quoting user input stays readable."""
-    return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-def quoted(value) -> str:
-    """`repr(value)` cut to MAX_SHOWN characters (a long string is cut before its repr is built)."""
-    if isinstance(value, str):
-        value = value[:MAX_SHOWN + 1]  # a longer one is cut anyway
-    return shorten(repr(value))
 
 
 @dataclass(frozen=True)
@@ -123,7 +110,7 @@ def _coerce(tp, value):
             return _BAD
         items = tuple(_coerce(int, v) for v in value)
         return _BAD if _BAD in items else items
-    raise TypeError(f"jdp.sections has no coercion for type {tp!r}.")
+    raise TypeError(f"jdp.run.sections has no coercion for type {tp!r}.")
 
 
 def _show(value) -> str:

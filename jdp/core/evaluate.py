@@ -10,8 +10,8 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from jdp.core.mesh import batch_sharded, replicated
 from jdp.data import MASK_KEY, make_batches
-from jdp.mesh import batch_sharded, replicated
 
 
 def make_eval_step(metric_fn: Callable, mesh):

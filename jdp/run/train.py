@@ -1,0 +1,384 @@
+"""The training loop: data -> step -> logging -> evaluation -> checkpoint, in one readable function."""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+
+import jax
+
+from jdp.bridges.task import Task
+from jdp.core.evaluate import evaluate, make_eval_step
+from jdp.core.step import get_params, make_train_step
+from jdp.data import make_batches
+from jdp.run.checkpoint import CheckpointMismatchError, Checkpointer
+from jdp.run.config import Config, validate
+from jdp.run.distributed import agree, any_process
+from jdp.run.facts import RunFacts, itstime
+from jdp.run.lock import locked_workdir
+from jdp.run.metrics import MetricsWriter, load_metrics, peak_flops, plot_metrics, step_flops
+from jdp.run.tasks import build_task
+from jdp.run.workfiles import refuse_symlink
+
+# load_metrics, plot_metrics: jdp.run.metrics's, kept importable from here
+__all__ = ["EvaluationOutOfMemoryError", "NonFiniteError", "StopSignals", "TrainResult", "itstime", "load_metrics", "meant_for_accelerators",
+           "plot_metrics", "schedule_facts", "step_params", "train"]
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What a finished (or stopped) run reports."""
+
+    steps: int  # optimizer steps completed, including those of earlier runs resumed from
+    resumed_from: int | None  # the checkpoint step this run started from, if any
+    preempted: bool  # stopped early by SIGTERM/SIGINT, with a checkpoint
+    final_loss: float | None  # training loss (global-batch mean) of the last step of this run
+    eval: dict  # metrics over the whole held-out set after the last step, also when the run was already
+    # complete (then of the restored state); {} without a held-out set or when stopped before any
+    seconds: float  # wall time of this run's loop, compilation included
+    params: object  # host numpy params
+
+
+class NonFiniteError(RuntimeError):
+    """Training stopped: too many consecutive updates had non-finite gradients."""
+
+
+class EvaluationOutOfMemoryError(RuntimeError):
+    """An evaluation ran out of memory; the step it followed is recorded (and checkpointed, one process)."""
+
+
+class StopSignals:
+    """Turns SIGTERM/SIGINT into a request to stop after the current step (restored on exit).
+
+    Every signal while inside only records the request: a second one during a checkpoint write
+    does not abort it.
+    """
+
+    def __init__(self):
+        self.requested = None
+        self.checkpointed = False  # set once the stop's checkpoint is on disk: later signals then exit 0
+
+    def __enter__(self):
+        self._old = {}
+        with contextlib.suppress(ValueError):  # signals can only be caught on the main thread
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.requested = self.requested or signal.Signals(signum).name  # the first one is the reason
+
+    def __exit__(self, *exc):
+        # After a stop whose checkpoint is on disk, the job has succeeded: a signal during the
+        # teardown that follows (a scheduler repeating SIGTERM) ends the process with exit code 0
+        # where it would otherwise have killed it (-15) or raised KeyboardInterrupt.
+        for sig, handler in self._old.items():
+            dies = handler in (signal.SIG_DFL, signal.default_int_handler)
+            signal.signal(sig, _exit_zero if self.checkpointed and dies else handler)
+
+
+def _exit_zero(signum, frame):
+    """A signal after a stop's checkpoint was saved: flush what was printed and exit 0 at once."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(0)
+
+
+def train(config: Config, workdir: str, *, devices=None, log=print, progress: bool = True,
+          stop_after: int | None = None, tensorboard: bool = False, fallback_to_intact: bool = False,
+          task: Task | None = None, allow_cpu: bool = False) -> TrainResult:
+    """Train `config` in `workdir`, resuming from its newest checkpoint if there is one.
+
+    `task`: your own model, loss and arrays (`jdp.nnx.task(...)`) instead of the config's model
+    and data sections.
+
+    The step computes in train.precision (bfloat16: forward and backward in bf16 on float32 master
+    params; jdp's models, and so the evaluation, compute in it too) and all-reduces the gradient in
+    parallel.reduce_dtype. A config with train.accelerator_only is refused (ValueError) when the
+    devices are CPUs, unless `allow_cpu=True`, which trains on them anyway and logs one line saying so.
+
+    Writes `workdir/metrics.jsonl` (a JSON object per log or eval step; with `tensorboard`, also
+    TensorBoard scalars) from process 0, which alone talks, and orbax checkpoints under
+    `workdir/checkpoints`. `stop_after` ends this run after that many optimizer steps, with a
+    checkpoint (re-running continues bit-exactly); so does SIGTERM/SIGINT on any process, at a step
+    all processes agree on. The run holds `workdir` (`jdp.run.lock`) and handles SIGTERM/SIGINT until
+    every checkpoint write has finished; the last checkpoint is written and awaited before the
+    final evaluation, and a failing evaluation or metrics write checkpoints its step first (one
+    process), so neither costs trained steps. A run already complete trains nothing and evaluates
+    the restored state. Raises ValueError for an invalid config, a workdir another live run holds,
+    another run's checkpoint (train.steps counts only where the schedule uses it) or one past
+    train.steps, before anything is written, and NonFiniteError after `train.max_nonfinite`
+    consecutive updates with NaN/Inf gradients (each skipped on every device). A damaged newest
+    checkpoint is refused (ValueError) unless `fallback_to_intact`, which resumes from the newest
+    intact one; a state holding NaN/Inf is never checkpointed (`jdp.run.checkpoint.NonFiniteStateError`).
+    """
+    if not workdir:
+        raise ValueError("--workdir '' is empty; name the run's directory (or leave --workdir out for "
+                         "runs/<config name>).")
+    facts = RunFacts.of(config, devices, stop_after=stop_after, fallback_to_intact=fallback_to_intact)
+    # Every process must take the same collectives at the same steps: agree on what decides them
+    # (and on the run) before anything else touches the devices.
+    agree(facts.agreed)
+    devices = _checked_devices(config, devices, workdir, allow_cpu, log)
+    parts = _Parts.build(config, task or build_task(config), devices, facts)
+    # Exits in reverse order: files closed and the last checkpoint write awaited, then the workdir
+    # released, all while the signals are still handled (a SIGTERM then cannot kill the write).
+    with StopSignals() as signals, locked_workdir(workdir, log), contextlib.ExitStack() as cleanup:
+        cleanup.callback(parts.batches.close)
+        refuse_symlink(os.path.join(workdir, "checkpoints"), "the checkpoint directory")
+        checkpoints = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.train.keep_checkpoints)
+        cleanup.callback(checkpoints.close)
+        # Resume: the newest complete checkpoint, if any (refused, untouched, if from another run).
+        state, resumed_from = _resume(checkpoints, parts, log, fallback_to_intact)
+        start = resumed_from or 0
+        end = facts.steps if stop_after is None else min(facts.steps, start + stop_after)
+        writer = MetricsWriter(workdir, total=facts.steps, start=start, log=log, progress=progress,
+                               tensorboard=tensorboard, active=jax.process_index() == 0)  # process 0 alone writes
+        writer.log(_describe(parts.task, config, devices, start, end))
+        cleanup.enter_context(writer)
+        loop = _Loop(config, parts, checkpoints, writer, signals, devices)
+        t0 = time.perf_counter()
+        state, end = loop.run(state, start, end)
+    return TrainResult(end, resumed_from, loop.preempted, loop.final_loss, loop.eval_metrics,
+                       time.perf_counter() - t0, get_params(state))
+
+
+@dataclass(frozen=True)
+class _Parts:
+    """What one invocation trains with: the task, its step and optimizer spec, the batches, the first
+    state, the evaluation step and the run's facts (with its data's digest)."""
+
+    task: Task
+    spec: object  # the optax chain (schedule included) and the lr it logs
+    step: object
+    batches: object
+    state: object
+    eval_step: object  # None without a held-out set
+    facts: RunFacts
+
+    @classmethod
+    def build(cls, config: Config, task: Task, devices: list, facts: RunFacts) -> _Parts:
+        p, t, d = config.parallel, config.train, config.data
+        spec = config.optimizer_spec()
+        step = make_train_step(task.loss_fn, spec, backend=p.backend, reduction=p.reduction,
+                               lr_correction=p.lr_correction, devices=devices, has_aux=True, needs_rng=True,
+                               has_state=True, accum_steps=p.accum_steps, accum_sync=p.accum_sync,
+                               skip_nonfinite=t.max_nonfinite > 0, precision=t.precision,
+                               reduce_dtype=p.reduce_dtype, shard_optimizer_state=p.shard_optimizer_state,
+                               shard_params=p.shard_params, sync_batchnorm=task.sync_batchnorm)
+        # ... and on the data each builds (a file that differs between hosts): the training set decides
+        # the batches, the held-out set how many evaluation batches reduce over the devices.
+        facts = facts.with_data(task.train, task.test)
+        agree(facts.data_sizes())
+        batches = make_batches(task.train, d.batch_size, seed=t.seed, drop_last=d.drop_last, threads=d.threads,
+                               workers=d.workers, transform=task.transform, process_index=jax.process_index(),
+                               num_processes=jax.process_count())
+        state = step.init(task.params, task.model_state, seed=t.seed)
+        eval_step = make_eval_step(task.metric_fn, step.mesh) if task.test is not None else None
+        return cls(task, spec, step, batches, state, eval_step, facts)
+
+
+class _Loop:
+    """The training loop of one invocation: step, log, checkpoint, evaluate; the only host syncs are
+    at log and eval steps."""
+
+    def __init__(self, config, parts: _Parts, checkpoints, writer, signals, devices):
+        self.config, self.spec, self.step, self.task, self.eval_step = (config, parts.spec, parts.step, parts.task,
+                                                                        parts.eval_step)
+        self.facts, self.batches, self.checkpoints, self.writer, self.signals = (parts.facts, parts.batches,
+                                                                                 checkpoints, writer, signals)
+        self.run_info = parts.facts.checkpoint_run()
+        self.peak = (peak_flops(devices[0].device_kind) or 0.0) * len(devices)  # all devices' peak; 0: unknown
+        # One process alone decides nothing: the stop request is all-gathered every `check_every` steps.
+        self.check_every = parts.facts.stop_check_every(jax.process_count())
+        self.final_loss, self.eval_metrics, self.preempted, self.saved = None, {}, False, None
+
+    def run(self, state, start: int, end: int) -> tuple:
+        """Train steps `start + 1 .. end`; returns (state, the step it ended at). A run complete
+        before it starts trains nothing and repeats its held-out result, from the restored state."""
+        facts, throughput = self.facts, _Throughput(start)
+        if start == end and self.eval_step is not None:
+            self.eval_metrics = self.evaluate(state, start)
+        for s in range(start + 1, end + 1):
+            for micro in self.step.micro_batches(next(self.batches)):
+                state, metrics = self.step(state, micro)
+            self.writer.advance()
+            if s == start + 1:  # once compiled: the step's FLOPs, per optimizer step, all devices
+                flops_per_step = step_flops(self.step, state, micro)
+            record = {"step": s}
+            if facts.logs_at(s, end):
+                m = jax.device_get(metrics)
+                _check_finite(s, m, self.config.train.max_nonfinite)
+                record |= _train_record(m, state, lr=self.spec.learning_rate(s - 1),
+                                        samples=self.config.data.batch_size, steps_per_s=throughput(s),
+                                        flops_per_step=flops_per_step, peak=self.peak)
+                self.final_loss = record["loss"]
+
+            # Checkpoint before evaluating: all processes stop at the same step, and the last checkpoint
+            # of a run is durable (awaited) before anything else can fail or say it exists.
+            stop = s % self.check_every == 0 and any_process(self.signals.requested is not None)
+            if facts.checkpoints_at(s, end) or stop:
+                self.save(s, state, wait=stop or s == end)
+            with self.saved_on_failure(s, state):
+                self.writer.write(record)  # before evaluating: an evaluation that fails cannot lose it
+                if self.eval_step is not None and not stop and facts.evaluates_at(s, end):
+                    self.eval_metrics = self.evaluate(state, s)
+                    self.writer.write({"step": s} | {f"eval_{k}": v for k, v in self.eval_metrics.items()})
+            if stop:
+                self.signals.checkpointed = True  # save(wait=True) above: it is on disk
+                self.writer.log(f"stopping at step {s} on {self.signals.requested or 'a peer process signal'}; "
+                                f"checkpoint saved, rerun the same command to resume.")
+                self.preempted = True
+                return state, s
+        return state, end
+
+    def evaluate(self, state, s: int) -> dict:
+        """Metrics of `state` (after step `s`) over the whole held-out set; EvaluationOutOfMemoryError
+        if the devices (or the host) run out of memory."""
+        size = self.config.data.eval_batch_size
+        try:
+            return evaluate(self.eval_step, *step_params(self.step, state), self.task.test, size, self.step.mesh)
+        except (MemoryError, RuntimeError) as e:  # XLA's out-of-memory is a JaxRuntimeError, a RuntimeError
+            if not isinstance(e, MemoryError) and "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise EvaluationOutOfMemoryError(
+                f"the evaluation after step {s} ran out of memory ({reason}); lower data.eval_batch_size (now "
+                f"{size}) and rerun the same command, which resumes from the newest checkpoint") from e
+
+    def save(self, s: int, state, *, wait: bool) -> None:
+        """Checkpoint step `s`; with `wait`, return only once it is complete on disk."""
+        self.checkpoints.save(s, self.step, state, self.batches.get_state(), self.run_info)
+        self.saved = s
+        if wait:
+            self.checkpoints.wait()
+
+    @contextlib.contextmanager
+    def saved_on_failure(self, s: int, state):
+        """If the block (evaluation, metrics write) fails, checkpoint step `s` first, then re-raise.
+
+        One process only: in a multi-process run the others are not there to join the save.
+        """
+        try:
+            yield
+        except Exception:
+            if self.saved != s and jax.process_count() == 1:
+                self.save(s, state, wait=True)
+                self.writer.log(f"step {s} was trained but what followed it failed (below); checkpoint {s} is "
+                                f"saved, so the same command resumes from it.")
+            raise
+
+
+def _resume(checkpoints: Checkpointer, parts: _Parts, log, fallback_to_intact: bool) -> tuple:
+    """(state, its step) from the newest complete checkpoint, with the data position restored;
+    (parts.state, None) without one. Another run's checkpoint, or one past train.steps, is refused
+    and left untouched."""
+    facts, latest = parts.facts, checkpoints.latest_step()
+    if latest is None:
+        return parts.state, None
+    try:
+        run = facts.compared_with(checkpoints.run_info(latest)["run"]["identity"], checkpoints.directory)
+    except ValueError as e:  # damaged or unreadable: restore() says so, or falls back to an intact one
+        if isinstance(e, CheckpointMismatchError):
+            raise
+        run = facts.checkpoint_run()
+    state, data_state, resumed_from = checkpoints.restore(parts.step, parts.state, run,
+                                                          fallback_to_intact=fallback_to_intact, log=log)
+    if resumed_from > facts.steps:
+        raise ValueError(f"train.steps={facts.steps} is fewer than the {resumed_from} steps that checkpoint "
+                         f"{resumed_from} in {checkpoints.directory!r} has already trained; use --steps "
+                         f"{resumed_from} or more to continue that run, or another --workdir.")
+    parts.batches.set_state(data_state)
+    log(f"resumed from step {resumed_from} in {checkpoints.directory}")  # every process restores, and says so
+    return state, resumed_from
+
+
+def schedule_facts(config: Config, devices=None, *, stop_after: int | None = None,
+                   fallback_to_intact: bool = False) -> dict:
+    """What every process of a multi-process run must agree on before its first step
+    (`jdp.run.distributed.agree`): `RunFacts.of(...).agreed`, whose docstring lists the fields."""
+    return RunFacts.of(config, devices, stop_after=stop_after, fallback_to_intact=fallback_to_intact).agreed
+
+
+def meant_for_accelerators(config: Config, devices) -> bool:
+    """Whether `config` asks for accelerators (train.accelerator_only) and `devices` are CPUs."""
+    return config.train.accelerator_only and devices[0].platform == "cpu"
+
+
+def _checked_devices(config: Config, devices, workdir: str, allow_cpu: bool = False, log=print) -> list:
+    """The devices to train on (the config's count of the given ones, default all), config and
+    workdir checked against them before anything is written."""
+    devices = list(devices or jax.devices())
+    if config.parallel.devices:
+        devices = devices[:config.parallel.devices]
+    validate(config, len(devices))
+    if meant_for_accelerators(config, devices):
+        if not allow_cpu:
+            raise ValueError("the config is meant for accelerators (train.accelerator_only=true) and the devices are "
+                             "CPUs; pass allow_cpu=True to train on them anyway.")
+        log(f"train.accelerator_only=true but the {len(devices)} device(s) are CPUs: training on them anyway, as "
+            f"asked (allow_cpu).")
+    if os.path.exists(workdir) and not os.path.isdir(workdir):
+        raise ValueError(f"--workdir {workdir!r} exists and is not a directory.")
+    return devices
+
+
+def _describe(task, config: Config, devices, start: int, end: int) -> str:
+    """The run's first console line: what, how far, on what, and how the global batch splits."""
+    p, n, batch = config.parallel, len(devices), config.data.batch_size
+    if start == config.train.steps:
+        return f"{task.description}: the run is complete ({start} of {config.train.steps} steps), nothing to train"
+    each = batch // (p.accum_steps * n)
+    plural = lambda k, what: f"{k} {what}{'' if k == 1 else 's'}"  # noqa: E731
+    return (f"{task.description}: {start} -> {end} of {config.train.steps} steps on {n} {devices[0].platform} "
+            f"device(s), global batch {batch} = {plural(p.accum_steps, 'accumulation step')} × {plural(n, 'device')} "
+            f"× {plural(each, 'example')} per device, {p.backend}, reduction {p.reduction}")
+
+
+class _Throughput:
+    """Optimizer steps per second since the previous log step (the first interval includes compilation)."""
+
+    def __init__(self, step: int):
+        self.step, self.time = step, time.perf_counter()
+
+    def __call__(self, step: int) -> float:
+        now = time.perf_counter()
+        rate = (step - self.step) / (now - self.time)
+        self.step, self.time = step, now
+        return rate
+
+
+def _check_finite(s: int, m: dict, max_nonfinite: int) -> None:
+    """Raise NonFiniteError once `max_nonfinite` updates in a row were skipped (0: never)."""
+    if max_nonfinite and int(m["skip_streak"]) >= max_nonfinite:
+        raise NonFiniteError(f"training stopped at step {s}: the last {int(m['skip_streak'])} updates had "
+                             f"non-finite gradients (train.max_nonfinite={max_nonfinite}); the newest checkpoint "
+                             f"is from before them.")
+
+
+def _train_record(m: dict, state, *, lr: float, samples: int, steps_per_s: float, flops_per_step: float | None,
+                  peak: float) -> dict:
+    """A log step's training metrics from the step's host metrics `m`: loss, gradient norm, learning
+    rate, throughput, the aux metrics as train_*, FLOP/s and MFU where known (`peak`: all devices'
+    peak FLOP/s, 0 if unknown), and the count of skipped updates once any update was skipped."""
+    record = {"loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]), "lr": lr,
+              "samples_per_s": steps_per_s * samples, **{f"train_{k}": float(v) for k, v in m["aux"].items()}}
+    if flops_per_step:
+        record["flops_per_s"] = steps_per_s * flops_per_step
+        if peak:
+            record["mfu"] = record["flops_per_s"] / peak
+    if m["skipped"]:
+        record["skipped_total"] = int(jax.device_get(state.skipped).reshape(-1)[0])
+    return record
+
+
+def step_params(step, state):
+    """(params, model_state) as one replicated copy, for evaluation."""
+    canonical = step.canonical(state)
+    return canonical.params, canonical.model_state
+
+

@@ -1,0 +1,52 @@
+"""A run's facts (`jdp.run.facts.RunFacts`): computed once from the config, read by the loop, the
+checkpoints and the agreement between processes. Cheap: no step is compiled."""
+import jax
+import numpy as np
+import pytest
+
+from jdp.config import HASH_EXCLUDED, config_hash, load_config, run_identity
+from jdp.data import ArrayDataset
+from jdp.run.checkpoint import CheckpointMismatchError, with_data_digest
+from jdp.run.facts import RunFacts
+from jdp.train import schedule_facts
+
+
+def test_the_facts_hold_the_identity_the_hash_and_what_processes_agree_on():
+    config = load_config(None, ["train.steps=20", "train.log_every=5", "train.checkpoint_every=4"])
+    facts = RunFacts.of(config, jax.devices()[:2], stop_after=3)
+    assert facts.identity == run_identity(config) and facts.config_hash == config_hash(config)
+    assert facts.agreed["config"] == facts.config_hash
+    assert {*HASH_EXCLUDED, "train.steps", "stop_after", "devices", "local devices"} <= facts.agreed.keys()
+    assert (facts.agreed["train.checkpoint_every"], facts.agreed["stop_after"], facts.agreed["devices"]) == (4, 3, 2)
+    assert schedule_facts(config, jax.devices()[:2], stop_after=3) == facts.agreed
+    assert facts.checkpoint_run() == {"identity": facts.identity, "config": config.to_dict(), "devices": 2}
+
+
+def test_one_rule_says_which_steps_log_evaluate_and_checkpoint():
+    config = load_config(None, ["train.steps=12", "train.log_every=5", "train.eval_every=0",
+                                "train.checkpoint_every=4"])
+    facts = RunFacts.of(config, jax.devices()[:1])
+    end = 10  # a run stopped early (--stop-after) acts at its own last step too
+    assert [s for s in range(1, end + 1) if facts.logs_at(s, end)] == [5, 10]
+    assert [s for s in range(1, end + 1) if facts.evaluates_at(s, end)] == [10]
+    assert [s for s in range(1, end + 1) if facts.checkpoints_at(s, end)] == [4, 8, 10]
+    assert facts.stop_check_every(1) == 1 and facts.stop_check_every(2) == 5
+
+
+def test_the_data_joins_the_identity_and_the_agreed_sizes():
+    arrays = ArrayDataset({"x": np.arange(12, dtype=np.float32).reshape(6, 2), "y": np.arange(6)})
+    facts = RunFacts.of(load_config(None), jax.devices()[:1]).with_data(arrays, ArrayDataset({"x": np.zeros((2, 2))}))
+    assert facts.identity == with_data_digest(run_identity(load_config(None)), arrays)
+    assert facts.data_sizes() == {"train_examples": 6, "test_examples": 2}
+    assert facts.config_hash == config_hash(load_config(None))  # the hash stays the config's
+
+
+@pytest.mark.parametrize("schedule, refused", [("cosine", True), ("constant", False)])
+def test_a_change_of_train_steps_is_refused_only_where_the_schedule_uses_it(schedule, refused):
+    saved = RunFacts.of(load_config(None, [f"optim.schedule={schedule}", "train.steps=10"])).identity
+    facts = RunFacts.of(load_config(None, [f"optim.schedule={schedule}", "train.steps=20"]))
+    if refused:
+        with pytest.raises(CheckpointMismatchError, match=r"train.steps=20 differs from the run's 10 in 'w'"):
+            facts.compared_with(saved, "w")
+    else:
+        assert facts.compared_with(saved, "w")["identity"] == saved  # a constant schedule extends the run
