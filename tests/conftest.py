@@ -28,8 +28,8 @@ assert PLATFORM or jax.device_count() == 8, "tests need 8 fake CPU devices; XLA_
 
 import pytest  # noqa: E402
 
-# The quick tier (`pytest -m quick`, 1 min 8 s cold and 40 s warm on a 2-core machine shared with
-# other jobs): every public path once, one representative per path rather than whole parametrized
+# The quick tier (`pytest -m quick`, 1 min 13 s cold and 28 s warm on a 2-core machine shared
+# with other jobs): every public path once, one representative per path rather than whole parametrized
 # files. Both backends, mean and sum with each correction, both accumulation modes, model state and
 # masks, the step's guards, the seed numbers, mixed precision, ZeRO-1 and FSDP, models, jdp.nnx and
 # Linen, configs, data and its order, the trainer with one resume, `jdp train` as one multi-process
