@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 
-from benchmarks.common import GLOBAL_BATCH, interleave, mlp_batches, mlp_params, paired_ratio, param_count, summary
+from benchmarks.common import GLOBAL_BATCH, interleave, paired_ratio, param_count, step_runner, summary
 from benchmarks.zero import _loss
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,17 +40,8 @@ def bench_fsdp(sizes, steps: int, repeats: int, log=print, quick: bool = False) 
                         "global_batch": GLOBAL_BATCH}
     for name, options in LAYOUTS.items():
         step = jdp.make_train_step(_loss, optax.adam(1e-3), grad_norm=False, **options)
-        placed = [step.shard_batch(b) for b in mlp_batches(sizes, 2)]
-        box = [step.init(mlp_params(sizes))]
-        out[f"comm_{name}"] = str(jdp.comm_report(step, box[0], placed[0]))
-
-        def run(n, step=step, box=box, placed=placed):
-            t0 = time.perf_counter()
-            for i in range(n):
-                box[0], _ = step(box[0], placed[i % 2])
-            jax.block_until_ready(box[0])
-            return time.perf_counter() - t0
-
+        run, first, placed = step_runner(step, sizes)
+        out[f"comm_{name}"] = str(jdp.comm_report(step, first, placed[0]))
         run(2)  # compile and warm up
         runners[name] = run
     log(f"  part fsdp: replicated vs ZeRO-1 vs FSDP, {repeats} rounds of {steps} steps")

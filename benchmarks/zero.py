@@ -14,7 +14,8 @@ import os
 import subprocess
 import sys
 
-from benchmarks.common import GLOBAL_BATCH, interleave, mlp_batches, mlp_params, paired_ratio, param_count, summary
+from benchmarks.common import (GLOBAL_BATCH, interleave, mlp_batches, mlp_params, paired_ratio, param_count,
+                               step_runner, summary)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MEMORY_DEVICES = (1, 2, 4, 8)
@@ -43,18 +44,8 @@ def bench_zero(sizes, steps: int, repeats: int, log=print) -> dict:
                         "global_batch": GLOBAL_BATCH}
     for name, shard in (("replicated", False), ("sharded", True)):
         step = jdp.make_train_step(_loss, optax.adam(1e-3), shard_optimizer_state=shard, grad_norm=False)
-        placed = [step.shard_batch(b) for b in mlp_batches(sizes, 2)]
-        box = [step.init(mlp_params(sizes))]
-        out[f"comm_{name}"] = str(jdp.comm_report(step, box[0], placed[0]))
-
-        def run(n, step=step, box=box, placed=placed):
-            import time
-            t0 = time.perf_counter()
-            for i in range(n):
-                box[0], _ = step(box[0], placed[i % 2])
-            jax.block_until_ready(box[0])
-            return time.perf_counter() - t0
-
+        run, first, placed = step_runner(step, sizes)
+        out[f"comm_{name}"] = str(jdp.comm_report(step, first, placed[0]))
         run(2)  # compile and warm up
         runners[name] = run
     log(f"  part zero: replicated vs sharded optimizer state, {repeats} rounds of {steps} steps")

@@ -8,18 +8,8 @@ from flax import nnx
 
 import jdp
 from tests.helpers import batches, mlp_loss, mlp_loss_acc, mlp_params
-
-GLOBAL = 32
-TOL = 2e-6
-# The helpers' MLP has leaves of 192, 16, 256, 16, 80 and 5 elements: the biases of 5 split
-# evenly over none of 2, 4, 8 devices, so every run below pads.
-OPTIMIZERS = {
-    "sgd": jdp.OptimizerSpec(name="sgd", lr=0.3),
-    "momentum": jdp.OptimizerSpec(name="momentum", lr=0.1),
-    "adam": jdp.OptimizerSpec(name="adam", lr=1e-2),
-    # grad_norm runs 0.55-0.65 on these batches: clipping at 0.6 engages on some steps, not all.
-    "adamw_clip": jdp.OptimizerSpec(name="adamw", lr=1e-2, weight_decay=0.1, clip_norm=0.6),
-}
+from tests.helpers import SHARDED_GLOBAL as GLOBAL
+from tests.helpers import SHARDED_OPTIMIZERS as OPTIMIZERS, SHARDED_TOL as TOL
 
 
 def run(n, optimizer, steps=5, loss=mlp_loss, **options):
