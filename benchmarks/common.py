@@ -1,7 +1,9 @@
 """Shared pieces of `python -m benchmarks.run`: the MLP problem (numpy only, so the PyTorch
-workers can import it without jax) and the interleaved timer."""
+workers can import it without jax), the interleaved timer, and the environment of a child process."""
 from __future__ import annotations
 
+import os
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -9,6 +11,18 @@ from collections.abc import Callable
 import numpy as np
 
 GLOBAL_BATCH = 256
+_DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
+# A parent's CPU device count and the XLA thread-pool size chosen for it (jdp/cpu.py).
+DEVICE_COUNT_VARS = ("JAX_NUM_CPU_DEVICES", "PJRT_NPROC", "NPROC")
+
+
+def child_env(*drop: str, **extra: str) -> dict:
+    """This process's environment for a fresh jax process that chooses its own CPU device count:
+    without the fake device count in XLA_FLAGS (every other XLA flag kept), without
+    DEVICE_COUNT_VARS and the variables named in `drop`, with `extra` set."""
+    env = {k: v for k, v in os.environ.items() if k not in (*DEVICE_COUNT_VARS, *drop)}
+    flags = " ".join(_DEVICE_COUNT_FLAG.sub("", env.pop("XLA_FLAGS", "")).split())
+    return {**env, **({"XLA_FLAGS": flags} if flags else {}), **extra}
 BIG_MLP = (784, 1024, 1024, 10)
 
 

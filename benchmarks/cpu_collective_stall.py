@@ -27,6 +27,8 @@ import sys
 import textwrap
 import time
 
+from benchmarks.common import child_env
+
 MODEL = textwrap.dedent('''
     import sys, time
     import numpy as np
@@ -93,7 +95,7 @@ JDP = MODEL + textwrap.dedent('''
 
 def run_trials(subject: str, pools: str, bound: str, devices: int, trials: int, timeout: float = 240.0) -> dict:
     """Run `trials` fresh processes; returns counts of aborts and the median loop time of the rest."""
-    env = {k: v for k, v in os.environ.items() if k not in ("NPROC", "PJRT_NPROC", "XLA_FLAGS", "JDP_CPU_THREADS")}
+    env = child_env("JDP_CPU_THREADS")
     if pools == "xla":
         env["JDP_CPU_THREADS"] = "xla"  # jdp leaves XLA's default pools alone
     code = {"reproducer": REPRODUCER, "jdp": JDP}[subject]

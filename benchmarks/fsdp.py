@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 
-from benchmarks.common import GLOBAL_BATCH, interleave, paired_ratio, param_count, step_runner, summary
+from benchmarks.common import GLOBAL_BATCH, child_env, interleave, paired_ratio, param_count, step_runner, summary
 from benchmarks.zero import _loss
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -57,8 +57,7 @@ def bench_fsdp(sizes, steps: int, repeats: int, log=print, quick: bool = False) 
 
 def memory_table(quick: bool, log=print) -> dict:
     """`memory_rows` in a fresh process with 8 fake CPU devices."""
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES", "PJRT_NPROC")}
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env = child_env(PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     r = subprocess.run([sys.executable, "-m", "benchmarks.fsdp", "memory", *(["--quick"] if quick else [])],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     lines = [line for line in r.stdout.splitlines() if line.startswith("RESULT ")]

@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 
+from benchmarks.common import child_env
 from benchmarks.gpu_parts import ROOT, plan_named
 from benchmarks.gpu_report import render
 
@@ -52,17 +53,12 @@ TESTS = (
 GPU_PARTS = ("env", "exactness", "throughput", "tests", "fsdp", "largest_batch")
 
 
-def child_env(platform: str | None, **extra) -> dict:
-    """This process's environment for a part: no fake CPU device count (XLA_FLAGS), JAX_PLATFORMS
-    `platform` (None: jax chooses, i.e. the GPU), jdp and benchmarks importable from the checkout."""
-    env = dict(os.environ)
-    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", "")).strip()
-    env.update({"XLA_FLAGS": flags, "PYTHONUNBUFFERED": "1",
-                "PYTHONPATH": os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH", "")) if p)}, **extra)
-    env.pop("JAX_PLATFORMS", None)
-    if platform:
-        env["JAX_PLATFORMS"] = platform
-    return env
+def part_env(platform: str | None, **extra) -> dict:
+    """This process's environment for a part: no fake CPU device count, JAX_PLATFORMS `platform`
+    (None: jax chooses, i.e. the GPU), jdp and benchmarks importable from the checkout."""
+    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
+    return child_env("JAX_PLATFORMS", PYTHONUNBUFFERED="1", PYTHONPATH=path,
+                     **({"JAX_PLATFORMS": platform} if platform else {}), **extra)
 
 
 def start_part(name: str, plan, workdir: str, platform: str | None, **extra):
@@ -70,7 +66,7 @@ def start_part(name: str, plan, workdir: str, platform: str | None, **extra):
     path = os.path.join(workdir, f"{name}.json")
     log = open(os.path.join(workdir, f"{name}.log"), "w+", encoding="utf-8")
     proc = subprocess.Popen([sys.executable, "-m", "benchmarks.gpu_parts", name, plan.name, path], cwd=ROOT,
-                            env=child_env(platform, **extra), stdout=log, stderr=subprocess.STDOUT)
+                            env=part_env(platform, **extra), stdout=log, stderr=subprocess.STDOUT)
     return {"name": name, "proc": proc, "path": path, "log": log, "t0": time.perf_counter()}
 
 
@@ -109,7 +105,7 @@ def pytest_counts(output: str) -> dict:
 
 def run_tests(plan, deadline: float) -> dict:
     """(a) Each selected test file in its own pytest on the plan's platform, with a time limit."""
-    env = child_env(None, JDP_TEST_PLATFORM=plan.test_platform, XLA_PYTHON_CLIENT_PREALLOCATE="false",
+    env = part_env(None, JDP_TEST_PLATFORM=plan.test_platform, XLA_PYTHON_CLIENT_PREALLOCATE="false",
                     JAX_DEFAULT_MATMUL_PRECISION="highest")  # the tests' float32 tolerances assume IEEE f32 matmuls
     rows = []
     for path, select in TESTS[:plan.test_files]:

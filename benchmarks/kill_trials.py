@@ -36,8 +36,10 @@ import sys
 import tempfile
 import time
 
+from benchmarks.common import child_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PJRT_NPROC", "NPROC")}
+ENV = child_env()
 LOCK = ".jdp-lock"  # jdp.run.lock.LOCK_NAME, not imported: importing jdp loads jax, needed only at the end
 KINDS = ("random", "during-write", "term", "term-during-save", "concurrent")
 

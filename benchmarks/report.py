@@ -22,7 +22,8 @@ def markdown(report: dict) -> str:
     out = [f"# jdp benchmarks ({report['mode']} run, {report['created']})", "",
            f"Machine: {m['cpu_count']} CPUs ({m['cpu_model']}), Python {m['python']}, jax {m['jax']} / jaxlib "
            f"{m['jaxlib']}, backend {m['backend']}, {m['devices']} × {m['device_kind']} devices, "
-           f"torch {m['torch'] or 'not installed'}, PJRT_NPROC={m['pjrt_nproc']}. Total {report['seconds']:.0f} s.", "",
+           f"torch {m['torch'] or 'not installed'}, PJRT_NPROC={m['pjrt_nproc']}"
+           f"{', XLA_FLAGS=' + repr(m['xla_flags']) if m.get('xla_flags') else ''}. Total {report['seconds']:.0f} s.", "",
            "Each round times every contender once, in a shuffled order, with block_until_ready at the end of "
            "each window; a ratio is the median over rounds of the two contenders' times in that round, and "
            "q1–q3 is the interquartile range of those per-round ratios (the noise). Machine-dependent: compare "

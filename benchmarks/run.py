@@ -50,7 +50,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from benchmarks.common import (BIG_MLP, GLOBAL_BATCH, Timer, interleave, mlp_batches, mlp_loss, mlp_params,
+from benchmarks.common import (BIG_MLP, GLOBAL_BATCH, Timer, child_env, interleave, mlp_batches, mlp_loss, mlp_params,
                                paired_ratio, param_count, ratio_spread, summary)
 from benchmarks.fsdp import bench_fsdp
 from benchmarks.data import bench_data
@@ -115,7 +115,9 @@ def machine_info() -> dict:
     return {"cpu_count": os.cpu_count(), "cpu_model": cpu_model, "python": platform.python_version(),
             "jax": jax.__version__, "jaxlib": jaxlib.__version__, "backend": jax.default_backend(),
             "device_kind": d.device_kind, "devices": jax.device_count(), "torch": torch_version,
-            "pjrt_nproc": os.environ.get("PJRT_NPROC")}
+            "pjrt_nproc": os.environ.get("PJRT_NPROC"),
+            # compiler flags change the times (the tests run this with LLVM at -O0): a report says which
+            "xla_flags": os.environ.get("XLA_FLAGS", "")}
 
 
 def _window(step_once, state_box, placed, sync):
@@ -244,8 +246,8 @@ class DDP:
 
     def __init__(self, sizes, world: int = 2):
         port = _free_port()
-        env = {k: v for k, v in os.environ.items() if k not in ("PJRT_NPROC", "NPROC", "XLA_FLAGS")}
-        env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""))
+        env = child_env(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
+                        PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         self.procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.ddp_worker", str(r), str(world), str(port),
                                         ",".join(map(str, sizes)), str(GLOBAL_BATCH)], cwd=ROOT, env=env,
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -396,8 +398,7 @@ def bench_accum(plan: Plan) -> dict:
 
 def bench_scaling(plan: Plan) -> dict:
     """Part 5: one fresh process per device count (benchmarks/scaling_worker.py)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PJRT_NPROC", "NPROC", "XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env = child_env(PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     rows, errors = [], {}
     for n in plan.scaling_devices:
         log(f"  part 5: {n} device(s), sizes {[s[1] for s in plan.scaling_sizes]}")

@@ -14,7 +14,7 @@ import os
 import subprocess
 import sys
 
-from benchmarks.common import (GLOBAL_BATCH, interleave, mlp_batches, mlp_params, paired_ratio, param_count,
+from benchmarks.common import (GLOBAL_BATCH, child_env, interleave, mlp_batches, mlp_params, paired_ratio, param_count,
                                step_runner, summary)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -59,8 +59,7 @@ def bench_zero(sizes, steps: int, repeats: int, log=print) -> dict:
 
 def memory_table(sizes, log=print) -> dict:
     """`memory_rows` for N = 1, 2, 4, 8 in a fresh process with 8 fake CPU devices."""
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES", "PJRT_NPROC")}
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env = child_env(PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     r = subprocess.run([sys.executable, "-m", "benchmarks.zero", "memory", ",".join(map(str, sizes))], cwd=ROOT,
                        env=env, capture_output=True, text=True, timeout=600)
     lines = [line for line in r.stdout.splitlines() if line.startswith("RESULT ")]

@@ -12,13 +12,14 @@ import sys
 import numpy as np
 import pytest
 
+from benchmarks.common import child_env
 from benchmarks.gpu import gpt_benchmark, is_oom, largest_fitting, mfu, peak_flops_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_quick_run_writes_a_complete_report(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PJRT_NPROC", "NPROC", "JAX_NUM_CPU_DEVICES")}
+    env = child_env()
     r = subprocess.run([sys.executable, "-m", "benchmarks.run", "--quick", "--skip-ddp", "--out", str(tmp_path)],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
@@ -26,6 +27,10 @@ def test_quick_run_writes_a_complete_report(tmp_path):
     assert (tmp_path / "report.md").read_text().startswith("# jdp benchmarks")
     assert (tmp_path / "throughput.png").stat().st_size > 0
     assert report["machine"]["devices"] == 2 and report["machine"]["cpu_count"] >= 1
+    # the child kept the suite's compiler flags and chose its own device count
+    flags = report["machine"]["xla_flags"]
+    assert "device_count" not in flags and flags == " ".join(os.environ["XLA_FLAGS"].split()[:-1])
+    assert not flags or f"XLA_FLAGS={flags!r}" in (tmp_path / "report.md").read_text()
 
     h = report["handwritten"]
     for name in ("handwritten", "jdp_shard_map", "jdp_pmap"):

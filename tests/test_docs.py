@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from benchmarks.common import child_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(ROOT, "docs")
 FENCE = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
@@ -54,7 +56,7 @@ def test_the_pages_hold_the_examples():
 
 @pytest.mark.parametrize("page", WITH_CODE)
 def test_every_python_block_runs_as_written(page, tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = child_env("JAX_PLATFORMS")
     env["JAX_PLATFORMS"] = "cpu"
     run = subprocess.run([sys.executable, "-W", "error", "-c", RUNNER, page], input="\0".join(blocks(page)),
                          text=True, capture_output=True, cwd=tmp_path, env=env, timeout=600)

@@ -10,6 +10,8 @@ import re
 import subprocess
 import sys
 
+from benchmarks.common import child_env
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -17,7 +19,7 @@ def run_example(name: str, *args: str) -> str:
     """Run examples/<name> in a subprocess from the repo root; return its stdout after checking rc 0."""
     # conftest's 8-device XLA_FLAGS (and a thread-pool size chosen for it) must not reach the
     # script: it asks for its own 4 devices with jdp.cpu.use_cpu_devices(4).
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PJRT_NPROC", "NPROC")}
+    env = child_env()
     done = subprocess.run([sys.executable, "-W", "error", str(ROOT / "examples" / name), *args],
                           capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert done.returncode == 0, f"stdout:\n{done.stdout[-2000:]}\nstderr:\n{done.stderr[-4000:]}"

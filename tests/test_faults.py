@@ -24,6 +24,8 @@ from typing import Callable
 import numpy as np
 import pytest
 
+from benchmarks.common import child_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The template run, and every run that resumes from a copy of it.
 TEMPLATE_ARGS = ["--steps", "2", "--devices", "2", "--set", "data.batch_size=64"]
@@ -34,7 +36,7 @@ def run_jdp(*args, timeout=120):
     """`python -W error -m jdp.run.cli ARGS` from the repo root in a fresh process with its own fake devices."""
     # conftest's 8-device XLA_FLAGS (and a thread-pool size chosen for it) must not reach the CLI,
     # which sets up its own devices (as tests/test_examples.py does).
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PJRT_NPROC", "NPROC")}
+    env = child_env()
     return subprocess.run([sys.executable, "-W", "error", "-m", "jdp.run.cli", *args], capture_output=True,
                           text=True, timeout=timeout, cwd=ROOT, env=env)
 

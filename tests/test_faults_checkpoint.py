@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import tensorstore as ts
 
+from benchmarks.common import child_env
 from jdp.run.checkpoint import latest_params
 from jdp.run.cli import main
 from jdp.config import load_config
@@ -239,7 +240,7 @@ def test_unreadable_or_unwritable_state_is_refused_in_one_sentence(template, tmp
             os.chmod(d, mode)
         changed += dirs
         cases.append([*ARGS, "--workdir", str(w)])
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PJRT_NPROC", "NPROC")}
+    env = child_env()
     try:
         subprocess.run([*prefix, sys.executable, "-W", "error", "-c", _CHILD, json.dumps(cases),
                         str(tmp_path / "results.json")], cwd=ROOT, env=env, timeout=300, check=True)

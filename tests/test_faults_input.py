@@ -17,6 +17,7 @@ import numpy as np
 import optax
 import pytest
 
+from benchmarks.common import child_env
 import jdp
 import jdp.data.npyfile
 from jdp.run.cli import main
@@ -176,7 +177,7 @@ def test_arrays_beyond_memory_are_refused(tmp_path, monkeypatch):
 
 # JDP_CPU_THREADS: `import jdp` cannot fail (the CLI would print a traceback); jdp refuses it at its next use.
 def test_bad_cpu_threads_exits_2_on_the_command_line(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PJRT_NPROC", "NPROC")}
+    env = child_env()
     r = subprocess.run([sys.executable, "-W", "error", "-m", "jdp.run.cli", "train", "--workdir", str(tmp_path / "w")],
                        capture_output=True, text=True, timeout=120, cwd=ROOT, env={**env, "JDP_CPU_THREADS": "4O"})
     assert_refused(r, "jdp: error: JDP_CPU_THREADS='4O' must be 'xla' or a number of threads from 1 to 4096.")

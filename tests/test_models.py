@@ -16,6 +16,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from benchmarks.common import child_env
 import jdp
 from jdp.models import CNN, GPT, apply_with_state, param_count
 from helpers import max_abs_diff, reference_run
@@ -265,7 +266,7 @@ def test_linen_params_train_the_same_on_1_and_4_devices():
 def test_linen_example_reaches_090_test_accuracy():
     """examples/linen_mlp.py, run as a user would (its own 4 fake devices), with warnings as errors."""
     script = pathlib.Path(__file__).resolve().parents[1] / "examples" / "linen_mlp.py"
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PJRT_NPROC", "NPROC")}
+    env = child_env()
     done = subprocess.run([sys.executable, "-W", "error", str(script)], capture_output=True, text=True, env=env,
                           timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -13,10 +13,11 @@ import time
 import numpy as np
 import pytest
 
+from benchmarks.common import child_env
 from jdp.run.checkpoint import latest_params
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PJRT_NPROC", "NPROC")}
+ENV = child_env()
 COMMON = ["--set", "data.batch_size=64", "--log-every", "1", "--no-progress"]
 
 

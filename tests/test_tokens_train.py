@@ -9,10 +9,11 @@ import sys
 import numpy as np
 import pytest
 
+from benchmarks.common import child_env
 from jdp.run.checkpoint import latest_params
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PJRT_NPROC", "NPROC")}
+ENV = child_env()
 TINY = ["model.name=gpt", "data.name=tokens", "data.vocab_size=64", "model.d_model=16", "model.n_heads=2",
         "model.n_layers=1", "model.context=8", "model.dropout=0.0", "data.batch_size=16", "optim.name=sgd",
         "optim.lr=0.3"]  # SGD: attention's key bias has a true gradient of 0; Adam makes its rounding noise ±lr steps
