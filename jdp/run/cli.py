@@ -165,6 +165,16 @@ def _quiet_closed_loop_callbacks() -> None:
     sys.unraisablehook = hook
 
 
+def _quiet_failed_save_tasks() -> None:
+    """After a save that ran out of space is reported: orbax's other write tasks of that save failed
+    alike, and asyncio logs each one's traceback ("Task exception was never retrieved") when it is
+    collected at exit; whether any is left uncollected depends on timing."""
+    import logging
+
+    never_retrieved = "Task exception was never retrieved"
+    logging.getLogger("asyncio").addFilter(lambda record: not record.getMessage().startswith(never_retrieved))
+
+
 def cmd_train(args) -> int:
     import os
 
@@ -190,6 +200,7 @@ def cmd_train(args) -> int:
         print(f"jdp: error: {e}.", file=sys.stderr)
         return 1
     except CheckpointWriteError as e:
+        _quiet_failed_save_tasks()
         print(f"jdp: error: {e.strerror}: free some space (or raise the file-size limit) and rerun the same command "
               f"to resume.", file=sys.stderr)
         return 1
