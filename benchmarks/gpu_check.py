@@ -114,7 +114,9 @@ def run_tests(plan, deadline: float) -> dict:
             rows.append({"file": path, "select": select, "status": "not run: the part's time was spent"})
             continue
         timeout = min(plan.test_timeout_s, left)
-        cmd = [sys.executable, "-m", "pytest", path, "-q", "-p", "no:cacheprovider", "-rfE", "--tb=line"]
+        # -o addopts=: one process, and no need for pytest-xdist (the repo's addopts ask for workers)
+        cmd = [sys.executable, "-m", "pytest", path, "-o", "addopts=", "-q", "-p", "no:cacheprovider", "-rfE",
+               "--tb=line"]
         t0 = time.perf_counter()
         try:
             r = subprocess.run(cmd + (["-k", select] if select else []), cwd=ROOT, env=env, capture_output=True,

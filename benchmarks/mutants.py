@@ -437,7 +437,8 @@ def run_mutant(mutant: Mutant, jdp_dir: str, base: str, timeout: float) -> dict:
             return {"status": "error", "detail": f"`import jdp` found {origin!r}, not the mutated copy",
                     "seconds": time.perf_counter() - t0}
         try:
-            r = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *mutant.tests],
+            r = subprocess.run([sys.executable, "-m", "pytest", "-n0", "-x", "-q", "-p", "no:cacheprovider",
+                                *mutant.tests],
                                capture_output=True, text=True, cwd=where, env=env, timeout=timeout)
         except subprocess.TimeoutExpired:
             return {"status": "error", "detail": f"timed out after {timeout:.0f} s", "seconds": time.perf_counter() - t0}

@@ -61,6 +61,9 @@ _CACHE = os.path.join(ROOT, ".pytest_cache", "jax")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# Workers share it unlocked: an entry is written in one write() of ~15 kB, and a reader that found
+# it half written would warn (an error here). jax's locked mode (set by a size limit) was tried: it
+# failed on a cache written without it, and it reads every entry's access time on each write.
 
 import jdp  # noqa: E402  (applies jdp's CPU collective settings before the backend starts)
 import jax  # noqa: E402
@@ -132,6 +135,12 @@ QUICK = (
     "test_data_sources.py::test_a_random_transform_is_seeded_from_seed_epoch_and_index",
     "test_tokens_train.py::test_a_bad_token_config_exits_2[overrides0-data.name='tokens' needs data.vocab_size]",
 )
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: one worker per core, at most 4; each worker holds 8 fake devices, compiles and
+    starts subprocesses of its own, and more than 4 buy little on the suite (compiling dominates)."""
+    return max(1, min(os.cpu_count() or 1, 4))
 
 
 def _cases(function):
