@@ -48,10 +48,11 @@ def _xla_accepts(flags: str) -> bool:
 if PLATFORM:
     os.environ["JAX_PLATFORMS"] = PLATFORM
 else:
-    flags = os.environ.get("XLA_FLAGS", "")
+    # xdist's workers inherit the flags this sets in the main process: add each one once
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count=" not in f]
     if os.environ.get("JDP_TEST_FAST_COMPILE", "1") != "0" and _xla_accepts(FAST_COMPILE):
-        flags = f"{FAST_COMPILE} {flags}"
-    os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
+        flags = FAST_COMPILE.split() + [f for f in flags if f not in FAST_COMPILE.split()]
+    os.environ["XLA_FLAGS"] = " ".join(flags + ["--xla_force_host_platform_device_count=8"])
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # jax's persistent compilation cache: a second run of the suite loads compiled steps instead of
 # compiling them again (measured: 25.6 s -> 4.7 s for three step-heavy test files). Subprocesses

@@ -27,6 +27,8 @@ import pytest
 from benchmarks.common import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# One xdist worker runs this file: the `runs` fixture starts every selected case's process at once.
+pytestmark = pytest.mark.xdist_group("test_faults")
 # The template run, and every run that resumes from a copy of it.
 TEMPLATE_ARGS = ["--steps", "2", "--devices", "2", "--set", "data.batch_size=64"]
 WORKERS = max(2, min(4, os.cpu_count() or 2))

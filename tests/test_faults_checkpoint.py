@@ -27,6 +27,8 @@ from test_faults import ROOT, assert_refused, snapshot
 # The template run: a digits MLP with 8 hidden units, 2 steps on 2 devices, checkpoints 1 and 2.
 ARGS = ["train", "--devices", "2", "--steps", "2", "--checkpoint-every", "1", "--log-every", "1",
         "--set", "data.batch_size=64", "--set", "model.hidden=[8]", "--no-progress"]
+# One xdist worker runs this file: the template is trained once.
+pytestmark = pytest.mark.xdist_group("test_faults_checkpoint")
 
 
 def cli(capsys, *argv):

@@ -17,6 +17,8 @@ from benchmarks.common import child_env
 from jdp.run.checkpoint import latest_params
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# One xdist worker runs this file: one `one_process` run, and one multi-process job at a time.
+pytestmark = pytest.mark.xdist_group("test_multiprocess")
 ENV = child_env()
 COMMON = ["--set", "data.batch_size=64", "--log-every", "1", "--no-progress"]
 

@@ -27,8 +27,9 @@ def run_pytest(cwd, *args, extra_env=None):
     env = {k: v for k, v in os.environ.items()
            if k not in ("XLA_FLAGS", "PJRT_NPROC", "NPROC", "JAX_PLATFORMS", "JAX_NUM_CPU_DEVICES", "PYTEST_ADDOPTS")}
     env.update(extra_env or {})
-    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rs", *args], cwd=cwd,
-                          env=env, capture_output=True, text=True, timeout=300)
+    # -o addopts=: a user's project, in one process (this repository's addopts ask for xdist workers)
+    return subprocess.run([sys.executable, "-m", "pytest", "-o", "addopts=", "-p", "no:cacheprovider", "-rs", *args],
+                          cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
 # --- assert_data_parallel_exact -------------------------------------------------------------
