@@ -382,6 +382,10 @@ MUTANTS = [
            "identity=with_data_digest(self.identity, train),",
            "identity=self.identity,",  # a resume on other data would pass
            ("tests/test_facts.py::test_the_data_joins_the_identity_and_the_agreed_sizes",)),
+    Mutant("failed_save_tasks_print_at_exit", "run/cli.py",
+           "logging.getLogger(\"asyncio\").addFilter(",
+           "(lambda f: None)(",  # asyncio's tracebacks of the failed save's other writes print again
+           ("tests/test_faults_run.py::test_the_failed_saves_other_write_tasks_print_nothing_at_exit",)),
 ]
 
 

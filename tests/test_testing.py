@@ -27,8 +27,7 @@ def run_pytest(cwd, *args, extra_env=None):
     env = {k: v for k, v in os.environ.items()
            if k not in ("XLA_FLAGS", "PJRT_NPROC", "NPROC", "JAX_PLATFORMS", "JAX_NUM_CPU_DEVICES", "PYTEST_ADDOPTS")}
     env.update(extra_env or {})
-    # -o addopts=: a user's project, in one process (this repository's addopts ask for xdist workers)
-    return subprocess.run([sys.executable, "-m", "pytest", "-o", "addopts=", "-p", "no:cacheprovider", "-rs", *args],
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rs", *args],
                           cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -168,7 +167,8 @@ def test_requested_devices_reads_the_option_then_the_ini_value():
 
 
 def test_the_example_user_test_passes_on_4_fake_devices():
-    done = run_pytest(ROOT, "-p", "jdp.testing", "--jdp-devices", "4", "examples/test_my_model.py", "-s")
+    # -n0: in one process, as in a user's project (this repository's addopts ask for xdist workers)
+    done = run_pytest(ROOT, "-n0", "-p", "jdp.testing", "--jdp-devices", "4", "examples/test_my_model.py", "-s")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "1 passed" in done.stdout and "jdp on 4 device(s) vs one device, 3 step(s)" in done.stdout, done.stdout
 
