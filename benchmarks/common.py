@@ -2,14 +2,18 @@
 workers can import it without jax), the interleaved timer, and the environment of a child process."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 
 import numpy as np
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GLOBAL_BATCH = 256
 _DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
 # A parent's CPU device count and the XLA thread-pool size chosen for it (jdp/cpu.py).
@@ -139,3 +143,34 @@ def step_runner(step, sizes) -> tuple[Callable[[int], float], object, list]:
         return time.perf_counter() - t0
 
     return run, first, placed
+
+
+def time_layouts(steps: dict, sizes, repeats: int, timed_steps: int, log=print, label: str = "") -> tuple[dict, dict]:
+    """Each of `steps` ({name: a jdp step of the benchmark MLP `sizes`}) compiled, warmed up and timed
+    in alternating windows of `timed_steps` steps, `repeats` rounds. Returns ({"comm_NAME": its
+    collectives, NAME: its `summary`}, {NAME: per-step seconds of every window})."""
+    import jdp
+
+    runners, out = {}, {}
+    for name, step in steps.items():
+        run, first, placed = step_runner(step, sizes)
+        out[f"comm_{name}"] = str(jdp.comm_report(step, first, placed[0]))
+        run(2)  # compile and warm up
+        runners[name] = run
+    log(f"  part {label}: {' vs '.join(steps)}, {repeats} rounds of {timed_steps} steps")
+    times = interleave(runners, timed_steps, repeats, log=log)
+    for name, t in times.items():
+        out[name] = summary(t, GLOBAL_BATCH)
+    return out, times
+
+
+def fresh_process_result(module: str, *args: str, timeout: float):
+    """`python -m module ARGS` in a fresh process that sets up its own devices (`child_env`): the JSON
+    of its last stdout line starting "RESULT ", or {"error": its last stderr line}."""
+    env = child_env(PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=timeout)
+    lines = [line for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+    if r.returncode or not lines:
+        return {"error": (r.stderr.strip().splitlines() or ["no output"])[-1]}
+    return json.loads(lines[-1][len("RESULT "):])

@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 
-from benchmarks.common import GLOBAL_BATCH, child_env, interleave, paired_ratio, param_count, step_runner, summary
+from benchmarks.common import GLOBAL_BATCH, ROOT, fresh_process_result, paired_ratio, param_count, time_layouts
 from benchmarks.zero import _loss
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "fsdp.md")
 LAYOUTS = {"replicated": {}, "zero1": {"shard_optimizer_state": True}, "fsdp": {"shard_params": True}}
 # The memory table's GPT: 8 layers of width 128 (1.6 M params), 4 sequences of 64 characters per device.
@@ -36,18 +34,11 @@ def bench_fsdp(sizes, steps: int, repeats: int, log=print, quick: bool = False) 
 
     import jdp
 
-    runners, out = {}, {"mlp": list(sizes), "params": param_count(sizes), "devices": jax.device_count(),
-                        "global_batch": GLOBAL_BATCH}
-    for name, options in LAYOUTS.items():
-        step = jdp.make_train_step(_loss, optax.adam(1e-3), grad_norm=False, **options)
-        run, first, placed = step_runner(step, sizes)
-        out[f"comm_{name}"] = str(jdp.comm_report(step, first, placed[0]))
-        run(2)  # compile and warm up
-        runners[name] = run
-    log(f"  part fsdp: replicated vs ZeRO-1 vs FSDP, {repeats} rounds of {steps} steps")
-    times = interleave(runners, steps, repeats, log=log)
-    for name, t in times.items():
-        out[name] = summary(t, GLOBAL_BATCH)
+    layouts = {name: jdp.make_train_step(_loss, optax.adam(1e-3), grad_norm=False, **options)
+               for name, options in LAYOUTS.items()}
+    out, times = time_layouts(layouts, sizes, repeats, steps, log, "fsdp")
+    out.update({"mlp": list(sizes), "params": param_count(sizes), "devices": jax.device_count(),
+                "global_batch": GLOBAL_BATCH})
     out["ratio_fsdp_over_replicated"] = paired_ratio(times["fsdp"], times["replicated"])
     out["ratio_replicated_over_fsdp"] = paired_ratio(times["replicated"], times["fsdp"])
     out["ratio_zero1_over_replicated"] = paired_ratio(times["zero1"], times["replicated"])
@@ -57,13 +48,9 @@ def bench_fsdp(sizes, steps: int, repeats: int, log=print, quick: bool = False) 
 
 def memory_table(quick: bool, log=print) -> dict:
     """`memory_rows` in a fresh process with 8 fake CPU devices."""
-    env = child_env(PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    r = subprocess.run([sys.executable, "-m", "benchmarks.fsdp", "memory", *(["--quick"] if quick else [])],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
-    lines = [line for line in r.stdout.splitlines() if line.startswith("RESULT ")]
-    if r.returncode or not lines:
-        return {"error": (r.stderr.strip().splitlines() or ["no output"])[-1]}
-    result = json.loads(lines[-1][len("RESULT "):])
+    result = fresh_process_result("benchmarks.fsdp", "memory", *(["--quick"] if quick else []), timeout=1800)
+    if "error" in result:
+        return result
     for row in result["rows"]:
         log(f"    remat={row['remat']} N={row['devices']} {row['layout']}: state {row['state']:,} B, "
             f"step allocates {row['allocated']:,} B per device")

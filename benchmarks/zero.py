@@ -10,14 +10,11 @@ CPU devices:
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 
-from benchmarks.common import (GLOBAL_BATCH, child_env, interleave, mlp_batches, mlp_params, paired_ratio, param_count,
-                               step_runner, summary)
+from benchmarks.common import (GLOBAL_BATCH, fresh_process_result, mlp_batches, mlp_params, paired_ratio, param_count,
+                               time_layouts)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MEMORY_DEVICES = (1, 2, 4, 8)
 
 
@@ -40,18 +37,11 @@ def bench_zero(sizes, steps: int, repeats: int, log=print) -> dict:
 
     import jdp
 
-    runners, out = {}, {"mlp": list(sizes), "params": param_count(sizes), "devices": jax.device_count(),
-                        "global_batch": GLOBAL_BATCH}
-    for name, shard in (("replicated", False), ("sharded", True)):
-        step = jdp.make_train_step(_loss, optax.adam(1e-3), shard_optimizer_state=shard, grad_norm=False)
-        run, first, placed = step_runner(step, sizes)
-        out[f"comm_{name}"] = str(jdp.comm_report(step, first, placed[0]))
-        run(2)  # compile and warm up
-        runners[name] = run
-    log(f"  part zero: replicated vs sharded optimizer state, {repeats} rounds of {steps} steps")
-    times = interleave(runners, steps, repeats, log=log)
-    for name, t in times.items():
-        out[name] = summary(t, GLOBAL_BATCH)
+    layouts = {name: jdp.make_train_step(_loss, optax.adam(1e-3), shard_optimizer_state=shard, grad_norm=False)
+               for name, shard in (("replicated", False), ("sharded", True))}
+    out, times = time_layouts(layouts, sizes, repeats, steps, log, "zero")
+    out.update({"mlp": list(sizes), "params": param_count(sizes), "devices": jax.device_count(),
+                "global_batch": GLOBAL_BATCH})
     out["ratio_sharded_over_replicated"] = paired_ratio(times["sharded"], times["replicated"])
     out["memory"] = memory_table(sizes, log)
     return out
@@ -59,13 +49,9 @@ def bench_zero(sizes, steps: int, repeats: int, log=print) -> dict:
 
 def memory_table(sizes, log=print) -> dict:
     """`memory_rows` for N = 1, 2, 4, 8 in a fresh process with 8 fake CPU devices."""
-    env = child_env(PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    r = subprocess.run([sys.executable, "-m", "benchmarks.zero", "memory", ",".join(map(str, sizes))], cwd=ROOT,
-                       env=env, capture_output=True, text=True, timeout=600)
-    lines = [line for line in r.stdout.splitlines() if line.startswith("RESULT ")]
-    if r.returncode or not lines:
-        return {"error": (r.stderr.strip().splitlines() or ["no output"])[-1]}
-    rows = json.loads(lines[-1][len("RESULT "):])
+    rows = fresh_process_result("benchmarks.zero", "memory", ",".join(map(str, sizes)), timeout=600)
+    if isinstance(rows, dict):  # {"error": ...}
+        return rows
     for row in rows:
         log(f"    N={row['devices']} {row['layout']}: params {row['params']:,} B, gradient {row['gradient']:,} B, "
             f"optimizer state {row['optimizer_state']:,} B per device")

@@ -16,7 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Compiling is most of the suite's time, and the programs it compiles are tiny: XLA's CPU compiler
 # with LLVM at -O0 and its classic fusion emitters compiles them ~3x faster (measured: 5.3 s -> 1.6 s
 # of backend compile for 12 steps). The HLO passes still run (collectives and sharding are the ones
-# users get; the classic emitters fuse a little less); every equivalence compares two programs
+# users get; the classic emitters fuse differently); every equivalence compares two programs
 # compiled alike. JDP_TEST_FAST_COMPILE=0 keeps XLA's defaults, as users' programs are compiled.
 # Subprocesses inherit the flags (benchmarks.common.child_env drops only the fake device count).
 FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
@@ -62,9 +62,10 @@ _CACHE = os.path.join(ROOT, ".pytest_cache", "jax")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-# Workers share it unlocked: an entry is written in one write() of ~15 kB, and a reader that found
-# it half written would warn (an error here). jax's locked mode (set by a size limit) was tried: it
-# failed on a cache written without it, and it reads every entry's access time on each write.
+# Workers share it without a lock: jax writes an entry (~15 kB on average) in one call, so a reader
+# that finds one half written (it would warn: an error here) is rare, as it already was between a
+# multi-process test's processes. jax's locked mode (set by a size limit) was tried: it failed on a
+# cache written without it, and it reads every entry's access time on each write.
 
 import jdp  # noqa: E402  (applies jdp's CPU collective settings before the backend starts)
 import jax  # noqa: E402
