@@ -74,14 +74,14 @@ assert PLATFORM or jax.device_count() == 8, "tests need 8 fake CPU devices; XLA_
 
 import pytest  # noqa: E402
 
-# The quick tier (`pytest -m quick`, 1 min 13 s cold and 28 s warm on a 2-core machine shared
-# with other jobs): every public path once, one representative per path rather than whole parametrized
-# files. Both backends, mean and sum with each correction, both accumulation modes, model state and
-# masks, the step's guards, the seed numbers, mixed precision, ZeRO-1 and FSDP, models, jdp.nnx and
-# Linen, configs, data and its order, the trainer with one resume, `jdp train` as one multi-process
-# run, the CLI's one-sentence exits, `jdp plot` in process, the docs' files and schema. The slower
-# end-to-end runs (the CLI's train-plot-resume, every trap, every case) are in the full suite. An
-# entry is a file, a test, or one parametrized case of a test (`name[id]`).
+# The quick tier (`pytest -m quick`, 31 s cold and 24 s warm on a 2-core machine): every public path
+# once, one representative per path rather than whole parametrized files. Both backends, mean and sum
+# with each correction, both accumulation modes, model state and masks, the step's guards, the seed
+# numbers, mixed precision, ZeRO-1 and FSDP, models, jdp.nnx and Linen, configs, data and its order, the
+# trainer with one resume, `jdp train` as one multi-process run, the CLI's one-sentence exits, `jdp
+# plot` in process, the docs' files and schema. The slower end-to-end runs (the CLI's train-plot-resume,
+# every trap, every case) are in the full suite. An entry is a file, a test, or one parametrized case of
+# a test (`name[id]`).
 QUICK = (
     "test_seeds.py", "test_config.py", "test_data.py", "test_data_order.py", "test_drop_last_divisible.py",
     "test_faults_input.py", "test_mutants.py", "test_replicas.py",
