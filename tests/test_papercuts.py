@@ -206,3 +206,17 @@ def test_no_import_circle_in_jdp():
     graph = _jdp_imports()
     assert sum(map(len, graph.values())) > 50  # the scan sees the imports
     assert not _circles(graph), sorted(_circles(graph))
+
+
+def test_the_suites_compile_flags_are_probed_before_they_are_set(tmp_path, monkeypatch):
+    """XLA aborts a process on a flag it does not know: conftest asks a subprocess first, once per
+    jaxlib version, and sets the fast-compile flags only where they were accepted."""
+    import conftest
+
+    monkeypatch.setattr(conftest, "ROOT", str(tmp_path))  # a fresh record: each flag is really probed
+    assert not conftest._xla_accepts("--xla_no_such_flag_for_jdp=1")
+    accepted = conftest._xla_accepts(conftest.FAST_COMPILE)
+    record = json.loads((tmp_path / ".pytest_cache" / "jdp-xla-flags.json").read_text())
+    assert sorted(record.values()) == sorted([False, accepted]) and len(record) == 2
+    if os.environ.get("JDP_TEST_FAST_COMPILE", "1") != "0":
+        assert (conftest.FAST_COMPILE in os.environ["XLA_FLAGS"]) == accepted
