@@ -51,7 +51,8 @@ else:
     # xdist's workers inherit the flags this sets in the main process: add each one once
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count=" not in f]
     if os.environ.get("JDP_TEST_FAST_COMPILE", "1") != "0" and _xla_accepts(FAST_COMPILE):
-        flags = FAST_COMPILE.split() + [f for f in flags if f not in FAST_COMPILE.split()]
+        fast = FAST_COMPILE.split()
+        flags = fast + [f for f in flags if f not in fast]
     os.environ["XLA_FLAGS"] = " ".join(flags + ["--xla_force_host_platform_device_count=8"])
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # jax's persistent compilation cache: a second run of the suite loads compiled steps instead of

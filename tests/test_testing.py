@@ -1,6 +1,5 @@
 """jdp.testing: the pytest plugin (fake devices before any conftest imports jax) and
 assert_data_parallel_exact (passes for exact steps, fails with the per-leaf report for wrong ones)."""
-import os
 import pathlib
 import subprocess
 import sys
@@ -14,6 +13,7 @@ import optax
 import pytest
 from flax import nnx
 
+from benchmarks.common import child_env
 from helpers import batches, mlp_logits, mlp_loss, mlp_loss_acc, mlp_params
 from jdp.testing import (TOLERANCES, NotExactError, assert_data_parallel_exact, default_tolerance,
                          requested_devices)
@@ -24,9 +24,7 @@ FOUR = jax.devices()[:4]
 
 def run_pytest(cwd, *args, extra_env=None):
     """pytest in a fresh process, with none of this suite's device settings."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("XLA_FLAGS", "PJRT_NPROC", "NPROC", "JAX_PLATFORMS", "JAX_NUM_CPU_DEVICES", "PYTEST_ADDOPTS")}
-    env.update(extra_env or {})
+    env = child_env("XLA_FLAGS", "JAX_PLATFORMS", "PYTEST_ADDOPTS", **(extra_env or {}))
     return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rs", *args],
                           cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
