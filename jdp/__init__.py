@@ -1,7 +1,8 @@
 """jdp: a small, exact JAX data-parallel trainer.
 
 N devices each take the mean loss over their shard, all-reduce-average the gradients, and take
-exactly the step one device would take on the whole global batch.
+exactly the step one device would take on the whole global batch; a weighted loss (`Weighted`: a
+sum over tokens and their count) is divided once by the global weight, so the step is exact per token.
 
 The public API is what this module exports, and the public modules `jdp.nnx`, `jdp.linen`,
 `jdp.train`, `jdp.config`, `jdp.testing`, `jdp.zero`, `jdp.fsdp`, `jdp.step`, `jdp.cpu`, `jdp.data`
@@ -15,6 +16,7 @@ from jdp.core.optim import OptimizerSpec, exact_sum_spec
 from jdp.core.options import StepOptions
 from jdp.core.state import TrainState
 from jdp.core.step import TrainStep, get_params, make_train_step
+from jdp.core.weighting import Weighted
 from jdp.inspect.comm import CommReport, comm_report
 from jdp.inspect.memory import MemoryReport, memory_report
 from jdp.inspect.replicas import ReplicaMismatchError, check_replicas, replica_mismatches
@@ -52,6 +54,7 @@ __all__ = [
     "StepOptions",
     "TrainState",
     "TrainStep",
+    "Weighted",
     "check_replicas",
     "comm_report",
     "cpu",

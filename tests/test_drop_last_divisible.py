@@ -43,7 +43,7 @@ def test_training_across_an_epoch_boundary_stays_finite_and_exact():
     (data,) = batches(1, 32, seed=9)
     it = make_batches(data, 16, seed=4, drop_last=False, prefetch=0)
     steps = take(it, 3)  # epoch 0 has 2 batches; the third is the first of epoch 1
-    step = jdp.make_train_step(masked_loss, optax.sgd(0.1), devices=jax.devices()[:4])
+    step = jdp.make_train_step(masked_loss, optax.sgd(0.1), devices=jax.devices()[:4], mask_key="mask")
     state = step.init(mlp_params())
     for batch in steps:
         state, metrics = step(state, batch)

@@ -10,7 +10,7 @@ from helpers import batches, max_abs_diff, mlp_loss, mlp_params
 
 @pytest.fixture(scope="module")
 def sgd_step():
-    return jdp.make_train_step(mlp_loss, optax.sgd(0.1), devices=jax.devices()[:4])
+    return jdp.make_train_step(mlp_loss, optax.sgd(0.1), devices=jax.devices()[:4], mask_key="mask")
 
 
 def test_reusing_a_donated_state_raises_instead_of_crashing(sgd_step):

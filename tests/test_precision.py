@@ -117,7 +117,7 @@ def test_model_state_and_mask_stay_float32():
         return jnp.sum(batch["mask"] * jnp.mean(h ** 2, axis=1)) / h.shape[0], new_stats
 
     step = jdp.make_train_step(loss, optax.sgd(0.1), has_state=True, precision="bf16", devices=jax.devices()[:2],
-                               sync_batchnorm=False)  # per-device running mean
+                               mask_key="mask", sync_batchnorm=False)  # per-device running mean
     state = step.init({"w": np.ones((3, 2), np.float32)}, np.float32(0.0))
     batch = {"x": np.ones((4, 3), np.float32), "mask": np.array([1, 1, 1, 0], np.float32)}
     state, metrics = step(state, batch)

@@ -28,14 +28,14 @@ def padded(batch, real):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("m,sync", [(1, "every"), (2, "last")])
+@pytest.mark.parametrize("m,sync", [(1, "every"), (2, "every"), (2, "last")])
 def test_padded_batch_equals_its_real_examples(backend, m, sync):
     (full,) = batches(1, 16, seed=4)
     real = 11  # the last 5 rows are padding: two devices see only padding or a partial shard
     ref, ref_losses = reference_run(mlp_loss, optax.sgd(0.1), mlp_params(),
                                     [{"x": full["x"][:real], "y": full["y"][:real]}])
     step = jdp.make_train_step(masked_loss, optax.sgd(0.1), backend=backend, devices=jax.devices()[:4],
-                               accum_steps=m, accum_sync=sync)
+                               accum_steps=m, accum_sync=sync, mask_key="mask")
     state = step.init(mlp_params())
     for micro in step.micro_batches(padded(full, real)):
         state, metrics = step(state, micro)

@@ -117,7 +117,7 @@ def test_model_state_mask_aux_and_mixed_precision():
     batch = dict(batches(1, GLOBAL)[0], mask=np.r_[np.ones(GLOBAL - 3), np.zeros(3)].astype(np.float32))
     finals = []
     for shard in (False, True):
-        step = jdp.make_train_step(loss, OPTIMIZERS["adam"], devices=jax.devices()[:4], has_state=True, has_aux=True,
+        step = jdp.make_train_step(loss, OPTIMIZERS["adam"], devices=jax.devices()[:4], has_state=True, has_aux=True, mask_key="mask",
                                    precision="bf16", reduce_dtype="bf16", shard_optimizer_state=shard,
                                    sync_batchnorm=False)  # a per-device running mean, averaged
         state = step.init(mlp_params(), np.float32(0.0))

@@ -140,8 +140,8 @@ def to_train_state(train_state: flax_train_state.TrainState, state: TrainState) 
     if jax.tree.structure(opt_state) != want:
         raise ValueError("state's optimizer state does not have the structure train_state.tx.init gives; pass the "
                          "TrainState the step was made from.")
-    if isinstance(state.accum, LocalAccum) and state.accum.examples is not None and np.any(
-            np.asarray(jax.device_get(state.accum.examples))):
+    if isinstance(state.accum, LocalAccum) and state.accum.grads is not None and np.any(
+            np.asarray(jax.device_get(state.accum.weight))):
         raise ValueError("state is in the middle of an optimizer step (accum_sync='last' holds gradient sums); call "
                          "to_train_state after the step's last micro-batch.")
     step = get_tree(state, state.step)

@@ -93,8 +93,8 @@ class ShardMapLayout:
     def empty_accum(self, params, aux) -> LocalAccum | None:
         """A zero accumulator in this layout (inside jit; `state_shardings.accum` places it).
 
-        "per_device" (accum_sync="last"): one row per device of gradient, loss, aux and example
-        sums; "replicated" ("every"): one copy of the loss and aux sums. `aux` may be UNSIZED.
+        "per_device" (accum_sync="last"): one row per device of gradient, loss, aux and weight
+        sums; "replicated" ("every"): one copy of the loss, aux and weight sums. `aux` may be UNSIZED.
         """
         f32 = jax.ShapeDtypeStruct((), jnp.float32)
         if self.accum == "per_device":
@@ -102,7 +102,7 @@ class ShardMapLayout:
             return LocalAccum(rows(params), rows(f32), rows(aux), rows(f32))
         if self.accum == "replicated":
             zeros = lambda tree: jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), x.dtype), tree)  # noqa: E731
-            return self._copies(LocalAccum(None, zeros(f32), zeros(aux), None))
+            return self._copies(LocalAccum(None, zeros(f32), zeros(aux), zeros(f32)))
         return None
 
     def _copies(self, tree):

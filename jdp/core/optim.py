@@ -198,3 +198,20 @@ def for_reduction(optimizer: optax.GradientTransformation | OptimizerSpec, lr_co
         # lr/N for any optimizer: exact for SGD and momentum, wrong for Adam (see jdp explain).
         return optax.chain(tx, optax.scale(1.0 / num_devices))
     return tx
+
+
+def with_grad_scale(tx: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+    """`tx` that first multiplies the gradient it is given by `grad_scale`, an extra argument of its
+    update (None: unchanged); its state is `tx`'s own.
+
+    Inside optax.MultiSteps (accum_sync="every") this divides a weighted loss's running mean of
+    gradient sums by the optimizer step's whole weight, known only on the step's last call.
+    """
+    takes_extra = isinstance(tx, optax.GradientTransformationExtraArgs)
+
+    def update(updates, state, params=None, *, grad_scale=None, **extra):
+        if grad_scale is not None:
+            updates = optax.tree.cast_like(optax.tree.scale(grad_scale, updates), updates)
+        return tx.update(updates, state, params, **extra) if takes_extra else tx.update(updates, state, params)
+
+    return optax.GradientTransformationExtraArgs(tx.init, update)

@@ -41,7 +41,7 @@ class StepOptions:
     has_aux: bool = False
     needs_rng: bool = False
     has_state: bool = False
-    mask_key: str | None = "mask"
+    mask_key: str | None = "auto"  # "auto": no mask, and a plain loss beside a "mask" entry is refused
     skip_nonfinite: bool = False
     grad_norm: bool = True
     precision: str = "float32"  # compute dtype of forward and backward: "float32" or "bfloat16"

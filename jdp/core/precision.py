@@ -58,22 +58,25 @@ def cast_floats(tree, dtype):
 
 
 def in_precision(loss, precision: str, mask_key: str | None):
-    """`loss(params, model_state, batch, key) -> (loss, (aux, model_state))` run in `precision`.
+    """`loss(params, model_state, batch, key) -> (total, (aux, model_state, weight))` run in `precision`.
 
-    bfloat16: params and the batch's float leaves (not the mask: it counts examples) are cast to
-    bf16 before the call; the loss and aux come back as float32 and the model state in its own
-    dtype, so the float32 model state never degrades. float32 returns `loss` itself.
+    bfloat16: params and the batch's float leaves (not the mask, nor an entry named "mask": it
+    counts examples) are cast to bf16 before the call; the loss, aux and weight come back as float32
+    and the model state in its own dtype, so the float32 model state never degrades. float32
+    returns `loss` itself.
     """
     if precision == "float32":
         return loss
     low = DTYPES[precision]
+    kept = {mask_key, "mask"}  # a mask counts examples: never rounded to bf16 (bf16 counts 257 as 256)
 
     def cast_call(params, model_state, batch, key):
-        inputs = ({k: (v if k == mask_key else cast_floats(v, low)) for k, v in batch.items()}
+        inputs = ({k: (v if k in kept else cast_floats(v, low)) for k, v in batch.items()}
                   if isinstance(batch, dict) else cast_floats(batch, low))
-        value, (aux, new_state) = loss(cast_floats(params, low), model_state, inputs, key)
+        total, (aux, new_state, weight) = loss(cast_floats(params, low), model_state, inputs, key)
         new_state = jax.tree.map(lambda new, old: new.astype(jnp.result_type(old)), new_state, model_state)
-        return value.astype(jnp.float32), (cast_floats(aux, jnp.float32), new_state)
+        weight = None if weight is None else weight.astype(jnp.float32)
+        return total.astype(jnp.float32), (cast_floats(aux, jnp.float32), new_state, weight)
 
     return cast_call
 

@@ -14,14 +14,14 @@ class LocalAccum(NamedTuple):
     """One device's sums over the calls of the current optimizer step (accum_steps > 1); NOT replicated.
 
     accum_sync="last" sums this device's own micro-batch values and reduces them once, on the M-th
-    call. accum_sync="every" reduces on every call and sums only the reduced loss and aux, to report
-    their mean over the step (grads and examples are None).
+    call. accum_sync="every" reduces on every call and sums only the reduced loss, aux and weight, to
+    report their means over the step (grads is None).
     """
 
     grads: Any  # sum of this device's micro-batch gradients, same pytree as params
-    loss: jax.Array  # float32: sum of the micro-batch mean losses
+    loss: jax.Array  # float32: sum of the micro-batch losses (means, or a weighted loss's sums)
     aux: Any  # sum of the micro-batch aux metrics (None until the first call has shown aux's structure)
-    examples: jax.Array  # float32: real (unmasked) examples this device has seen since the last update
+    weight: jax.Array  # float32: sum of a weighted loss's weights since the last update (1 per call otherwise)
 
 
 class TrainState(struct.PyTreeNode):

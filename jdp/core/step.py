@@ -12,9 +12,20 @@ i.e. lr/N: exact for SGD/momentum, not for Adam (ε) or clipping. "none" keeps t
 (needs an OptimizerSpec) changes the spec's scale-dependent hyperparameters instead
 (`jdp.exact_sum_spec`), which makes sum equal mean for every spec.
 
-`mask_key`: a batch entry of 1/0 weights marking real/padded examples. When present, loss_fn must
-return `sum(mask · per-example loss) / b` and jdp rescales so that loss, gradient and aux are means
-over the real examples only (exact for accum_steps=1 and "last").
+`mask_key`: the name of a batch entry of 1/0 weights marking real/padded examples, for a loss that
+returns `sum(mask · per-example loss) / b`: jdp then divides by the real count, so that loss,
+gradient and aux are means over the real examples only, in every accumulation mode. It is the
+per-example case of a weighted loss (`jdp.Weighted(sum(mask · l), sum(mask))`, which carries its
+weight itself and needs no mask_key). "auto" (the default) changes nothing, but refuses a plain mean
+loss beside a batch entry named "mask" (is the loss already divided by it?); None changes nothing.
+
+Weighted losses: loss_fn may return `jdp.Weighted(total, weight)`, the sum of its per-token (or
+per-example) losses over this device's examples and the sum of their weights (e.g. the count of
+real tokens). jdp sums both over the N devices and the M micro-batches of the optimizer step and
+divides once: the gradient and `loss` are those of the mean over every real token of the global
+batch, in every backend, accumulation mode and layout. Plain aux scalars are read as means over the
+same weight; aux values may be `jdp.Weighted` with weights of their own. `metrics["weight"]` is the
+global weight (the step's token count).
 
 `skip_nonfinite`: an optimizer step whose reduced gradient (with accum_steps > 1: the mean of its M
 micro-gradients), or the params or optimizer state it would produce, holds a NaN/Inf is skipped on
@@ -68,12 +79,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jdp.core.algorithm import Step, batch_rows, call_loss, device_step
+from jdp.core.algorithm import Step, device_step
 from jdp.core.fsdp import FullyShardedLayout, is_shard
 from jdp.core.layouts import LAYOUTS, UNSIZED, aux_shapes
+from jdp.core.loss import batch_rows, call_loss
 from jdp.core.mesh import DATA_AXIS, batch_sharded, make_mesh
 from jdp.core.model_state import check_agreement, check_structure, spread_over_devices
-from jdp.core.optim import OptimizerSpec, check_optimizer, for_reduction
+from jdp.core.optim import OptimizerSpec, check_optimizer, for_reduction, with_grad_scale
 from jdp.core.options import StepOptions
 from jdp.core.precision import check_master_params, in_precision
 from jdp.core.state import TrainState
@@ -174,9 +186,10 @@ class TrainStep:
         The params change on every `accum_steps`-th call. `state` is donated (except with pmap on
         CPU devices): use the returned state afterwards. `metrics` are device values, the same on
         every device: `loss` (mean over the examples the step's gradient covers: this call's N·b,
-        or with accum_steps=M > 1 the whole M·N·b global batch, NaN on calls that do not update),
-        `grad_norm` (global norm of that gradient; only with grad_norm=True), `aux` (has_aux:
-        means like `loss`), `updated` (this call applied an update), `skipped` (this call's
+        or with accum_steps=M > 1 the whole M·N·b global batch, NaN on calls that do not update;
+        a weighted loss's mean over all their weight), `weight` (a weighted loss or mask_key only:
+        that global weight, e.g. the step's real tokens), `grad_norm` (global norm of that
+        gradient; only with grad_norm=True), `aux` (has_aux: means like `loss`), `updated` (this call applied an update), `skipped` (this call's
         update was skipped for a NaN/Inf gradient), `skip_streak`, `step` (optimizer steps so far)
         and `micro_step` (calls so far).
         """
@@ -300,7 +313,9 @@ def step_optimizer(optimizer, o: StepOptions, n: int) -> optax.GradientTransform
     tx = for_reduction(optimizer, o.lr_correction, n, o.shard_optimizer_state, o.axis_name)
     if o.shard_optimizer_state:
         check_elementwise(tx, o.axis_name, "shard_params" if o.shard_params else "shard_optimizer_state")
-    return optax.MultiSteps(tx, every_k_schedule=o.accum_steps).gradient_transformation() if o.multi_steps else tx
+    if not o.multi_steps:
+        return tx
+    return optax.MultiSteps(with_grad_scale(tx), every_k_schedule=o.accum_steps).gradient_transformation()
 
 
 def check_trainable(params) -> None:
@@ -344,7 +359,7 @@ def check_batch(batch, n: int, mask_key: str | None, whose: str = "") -> None:
 def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation | OptimizerSpec, *,
                     backend: str = "shard_map", reduction: str = "mean", lr_correction: str | None = None,
                     devices: Sequence[jax.Device] | None = None, has_aux: bool = False,
-                    needs_rng: bool = False, has_state: bool = False, mask_key: str | None = "mask",
+                    needs_rng: bool = False, has_state: bool = False, mask_key: str | None = "auto",
                     accum_steps: int = 1, accum_sync: str = "every", skip_nonfinite: bool = False,
                     grad_norm: bool = True, precision="float32", reduce_dtype=None,
                     shard_optimizer_state: bool = False, shard_params: bool = False,
@@ -352,9 +367,11 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation |
     """Build a data-parallel training step.
 
     Args:
-      loss_fn: `loss_fn(params, batch) -> scalar`, the MEAN loss over the examples it is given
-        (`loss_fn(params, batch, rng)` if `needs_rng`; `(loss, aux)` if `has_aux`, where aux is a
-        pytree of scalars that are per-example means, such as accuracy).
+      loss_fn: `loss_fn(params, batch) -> scalar`, the MEAN loss over the examples it is given, or
+        `jdp.Weighted(sum, weight)` for a weighted mean (per token: the sum of the real tokens'
+        losses and their count; divided by the global weight once). `loss_fn(params, batch, rng)`
+        if `needs_rng`; `(loss, aux)` if `has_aux`, where aux is a pytree of scalars that are
+        per-example means, such as accuracy (or `jdp.Weighted` sums).
       optimizer: any `optax.GradientTransformation`, or a `jdp.OptimizerSpec`.
       backend: "shard_map" (jit over a 1-D mesh) or "pmap".
       reduction: "mean" (`lax.pmean`: the gradient of the global-batch mean loss) or "sum"
@@ -367,8 +384,9 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation |
       has_state: the model has non-parameter state (BatchNorm statistics): `loss_fn(params,
         model_state, batch[, rng]) -> (loss, new_model_state)`, or `(loss, (aux, new_model_state))`
         with has_aux; the new state is averaged over devices each call (synchronised BatchNorm's agrees).
-      mask_key: a batch entry of 1/0 weights marking real/padded examples; loss and gradient are
-        then means over the real ones (`jdp.core.step`'s docstring).
+      mask_key: the batch entry of 1/0 weights marking real/padded examples of a loss
+        `sum(mask · l) / b`; loss and gradient are then means over the real ones. "auto" (default):
+        none, and a plain mean loss beside an entry named "mask" is refused as ambiguous; None: none.
       accum_steps: M, the micro-batches per optimizer step. Each call takes one micro-batch; the
         params change on every M-th call, by the step one device would take on all M·N·b examples.
       accum_sync: "every" (optax.MultiSteps; an all-reduce on every call) or "last" (local sums;
