@@ -38,7 +38,9 @@ def weighted_loss(params, batch):
     """The exact form: sums over this device's real tokens, and their count."""
     nll, correct = per_token(params, batch)
     w = batch["weights"]
-    return jdp.Weighted(jnp.sum(w * nll), jnp.sum(w)), {"accuracy": jdp.Weighted(jnp.sum(w * correct), jnp.sum(w))}
+    aux = {"accuracy": jdp.Weighted(jnp.sum(w * correct), jnp.sum(w)),
+           "plain_accuracy": jnp.sum(w * correct) / jnp.sum(w)}  # a plain mean: weighted by the loss's weight
+    return jdp.Weighted(jnp.sum(w * nll), jnp.sum(w)), aux
 
 
 def own_count_loss(params, batch):
@@ -116,6 +118,7 @@ def test_weighted_loss_equals_one_device_per_token(mode):
     assert max_abs_diff(params, want) <= 2e-6
     np.testing.assert_allclose([h["loss"] for h in history], losses, rtol=2e-6)
     np.testing.assert_allclose([h["aux"]["accuracy"] for h in history], accs, rtol=2e-6)
+    np.testing.assert_allclose([h["aux"]["plain_accuracy"] for h in history], accs, rtol=2e-6)
     tokens = [b["weights"].sum() for b in token_batches(m * N * B)]
     np.testing.assert_allclose([h["weight"] for h in history], tokens, rtol=1e-6)  # the step's real tokens
     assert len(set(tokens)) > 1
@@ -202,3 +205,59 @@ def test_a_batch_that_still_carries_the_device_axis_is_named():
     step = jdp.make_train_step(loss, optax.sgd(0.1), devices=jax.devices()[:N])
     with pytest.raises(ValueError, match=r"AssertionError: the model takes.*common_utils.shard.*pass it unsharded"):
         step(step.init(token_params()), batch)
+
+
+def nnx_token_model(rate):
+    """The same token model as an nnx.Module, with dropout."""
+    from flax import nnx
+
+    class Model(nnx.Module):
+        def __init__(self):
+            p = token_params()
+            self.emb, self.out = nnx.Param(jnp.asarray(p["emb"])), nnx.Param(jnp.asarray(p["out"]))
+            self.drop = nnx.Dropout(rate, rngs=nnx.Rngs(dropout=0))
+
+        def __call__(self, x):
+            return self.drop(jnp.tanh(self.emb[...][x])) @ self.out[...]
+
+    return Model()
+
+
+def nnx_loss(model, batch):
+    nll = optax.softmax_cross_entropy_with_integer_labels(model(batch["x"]), batch["y"])
+    return jdp.Weighted(jnp.sum(batch["weights"] * nll), jnp.sum(batch["weights"]))
+
+
+@pytest.mark.parametrize("m,sync", [(2, "every"), (2, "last")])
+def test_nnx_weighted_loss_equals_one_device(m, sync):
+    step = jdp.nnx.make_train_step(nnx_token_model(0.0), nnx_loss, optax.adam(1e-2), devices=jax.devices()[:N],
+                                   accum_steps=m, accum_sync=sync)
+    state = step.init()
+    for batch in token_batches(m * N * B):
+        for micro in step.micro_batches(batch):
+            state, metrics = step(state, micro)
+    got = jdp.get_params(state)
+    want, losses, _ = reference(m)
+    assert max_abs_diff({"emb": got["emb"], "out": got["out"]}, want) <= 2e-6
+    np.testing.assert_allclose(metrics["loss"], losses[-1], rtol=2e-6)
+
+
+def test_evaluate_takes_per_token_weights_and_two_argument_metric_fns():
+    """Per-token values with (b, L) weights, a padded last batch: the mean over every real token."""
+    data = token_batches(13, 1, seed=9)[0]  # 13 rows: the last batch of 8 on 4 devices is padded
+    params = token_params()
+    step = jdp.make_train_step(global_mean, optax.sgd(0.1), devices=jax.devices()[:N])
+    state = step.init(params)
+
+    def per_token_metrics(params, batch):  # no model state: (params, batch), as a Linen TrainState has
+        nll, correct = per_token(params, batch)
+        w = batch["weights"]
+        return {"loss": jdp.Weighted(w * nll, w), "accuracy": jdp.Weighted(w * correct, w)}
+
+    got = step.evaluate(state, per_token_metrics, data, batch_size=8)
+    nll, correct = per_token(params, data)
+    w = data["weights"]
+    np.testing.assert_allclose(got["loss"], float(jnp.sum(w * nll) / w.sum()), rtol=1e-6)
+    np.testing.assert_allclose(got["accuracy"], float(jnp.sum(w * correct) / w.sum()), rtol=1e-6)
+    per_row = float(jnp.mean(jnp.sum(w * nll, -1) / w.sum(-1)))  # a mean of row means differs: visible
+    assert abs(got["loss"] - per_row) > 1e-3

@@ -28,6 +28,7 @@ from flax import nnx
 from jdp.bridges.task import Task
 from jdp.core.mesh import DATA_AXIS
 from jdp.core.state import TrainState
+from jdp.core.weighting import is_weighted
 from jdp.core.step import TrainStep, get_tree
 from jdp.core.step import make_train_step as make_array_step
 
@@ -173,7 +174,7 @@ def _device_loss(split: SplitModel, loss_fn, *, has_aux: bool, needs_rng: bool):
         if split.streams:  # stored nnx.Rngs: one key per stream from this device's key
             nnx.reseed(model, **{s: jax.random.fold_in(key, i) for i, s in enumerate(split.streams)})
         out = loss_fn(model, batch, nnx.Rngs(key)) if needs_rng else loss_fn(model, batch)
-        if has_aux and not (isinstance(out, tuple) and len(out) == 2):
+        if has_aux and (not (isinstance(out, tuple) and len(out) == 2) or is_weighted(out)):
             raise ValueError(f"loss_fn must return (loss, aux) with has_aux=True, got {type(out).__name__}.")
         loss, aux = out if has_aux else (out, {})
         new_rest = nnx.split(model, nnx.Param, nnx.RngState, ...)[3]

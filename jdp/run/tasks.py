@@ -10,6 +10,7 @@ from flax import nnx
 
 from jdp.bridges.task import Task
 from jdp.core.precision import DTYPES
+from jdp.core.weighting import Weighted
 import jdp.data as D
 from jdp.data import MASK_KEY, ArrayDataset
 from jdp.models import CNN, GPT, MLP, functional
@@ -37,17 +38,27 @@ def _classifier(fm, description, train, test) -> Task:
     return Task(fm.params, fm.rest, loss_fn, metric_fn, train, test, description)
 
 
+def _token_weights(batch, shape):
+    """(b, T) weight of every predicted token: 1, or 0 in a padded window (the batch's row mask)."""
+    mask = batch.get(MASK_KEY)
+    return jnp.ones(shape, jnp.float32) if mask is None else jnp.broadcast_to(mask[:, None], shape)
+
+
 def _language_model(fm, description, train, test) -> Task:
+    """Per-token means: the loss and accuracy as sums over real tokens with their count (jdp.Weighted)."""
     def loss_fn(params, model_state, batch, rng):
         logits, new_state = fm.apply_with_state(params, model_state, batch["x"], train=True, rngs=rng)
-        per_window = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean(-1)
-        accuracy = (logits.argmax(-1) == batch["y"]).mean(-1)
-        return _masked_mean(per_window, batch), ({"accuracy": _masked_mean(accuracy, batch)}, new_state)
+        w = _token_weights(batch, batch["y"].shape)
+        nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+        correct = (logits.argmax(-1) == batch["y"]).astype(jnp.float32)
+        return Weighted(jnp.sum(w * nll), jnp.sum(w)), ({"accuracy": Weighted(jnp.sum(w * correct), jnp.sum(w))},
+                                                         new_state)
 
     def metric_fn(params, model_state, batch):
         logits, _ = fm.apply_with_state(params, model_state, batch["x"], train=False)
-        return {"loss": optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean(-1),
-                "accuracy": (logits.argmax(-1) == batch["y"]).mean(-1)}
+        w = jnp.ones(batch["y"].shape, jnp.float32)  # the evaluation leaves padded windows out itself
+        return {"loss": Weighted(w * optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]), w),
+                "accuracy": Weighted(w * (logits.argmax(-1) == batch["y"]), w)}
 
     return Task(fm.params, fm.rest, loss_fn, metric_fn, train, test, description)
 

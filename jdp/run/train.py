@@ -13,7 +13,7 @@ import jax
 from jdp.bridges.task import Task
 from jdp.core.evaluate import evaluate, make_eval_step
 from jdp.core.step import get_params, make_train_step
-from jdp.data import make_batches
+from jdp.data import MASK_KEY, make_batches
 from jdp.run.checkpoint import CheckpointMismatchError, Checkpointer
 from jdp.run.config import Config, validate
 from jdp.run.distributed import agree, any_process
@@ -169,7 +169,8 @@ class _Parts:
                                has_state=True, accum_steps=p.accum_steps, accum_sync=p.accum_sync,
                                skip_nonfinite=t.max_nonfinite > 0, precision=t.precision,
                                reduce_dtype=p.reduce_dtype, shard_optimizer_state=p.shard_optimizer_state,
-                               shard_params=p.shard_params, sync_batchnorm=task.sync_batchnorm)
+                               shard_params=p.shard_params, sync_batchnorm=task.sync_batchnorm,
+                               mask_key=MASK_KEY)  # a task's mean loss is sum(mask · l) / b on padded batches
         # ... and on the data each builds (a file that differs between hosts): the training set decides
         # the batches, the held-out set how many evaluation batches reduce over the devices.
         facts = facts.with_data(task.train, task.test)
@@ -363,10 +364,13 @@ def _check_finite(s: int, m: dict, max_nonfinite: int) -> None:
 def _train_record(m: dict, state, *, lr: float, samples: int, steps_per_s: float, flops_per_step: float | None,
                   peak: float) -> dict:
     """A log step's training metrics from the step's host metrics `m`: loss, gradient norm, learning
-    rate, throughput, the aux metrics as train_*, FLOP/s and MFU where known (`peak`: all devices'
+    rate, throughput, the aux metrics as train_*, the global weight of a weighted loss (the gpt's
+    tokens per step), FLOP/s and MFU where known (`peak`: all devices'
     peak FLOP/s, 0 if unknown), and the count of skipped updates once any update was skipped."""
     record = {"loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]), "lr": lr,
               "samples_per_s": steps_per_s * samples, **{f"train_{k}": float(v) for k, v in m["aux"].items()}}
+    if "weight" in m:  # a weighted loss (the gpt: per token): the step's global weight, its real tokens
+        record["weight"] = float(m["weight"])
     if flops_per_step:
         record["flops_per_s"] = steps_per_s * flops_per_step
         if peak:
