@@ -261,3 +261,18 @@ def test_evaluate_takes_per_token_weights_and_two_argument_metric_fns():
     np.testing.assert_allclose(got["accuracy"], float(jnp.sum(w * correct) / w.sum()), rtol=1e-6)
     per_row = float(jnp.mean(jnp.sum(w * nll, -1) / w.sum(-1)))  # a mean of row means differs: visible
     assert abs(got["loss"] - per_row) > 1e-3
+
+
+def test_assert_data_parallel_exact_takes_weighted_losses_and_names_own_counts():
+    """jdp.testing's check: a weighted loss passes in every mode with varying token counts; the
+    same loss divided by each device's own count fails, naming that as the cause."""
+    from jdp.testing import NotExactError, assert_data_parallel_exact
+
+    data = token_batches(2 * N * B, steps=2)
+    report = assert_data_parallel_exact(weighted_loss, optax.adam(1e-2), token_params(), data,
+                                        devices=jax.devices()[:N], accum_steps=2, has_aux=True)
+    assert report.ok
+    with pytest.raises(NotExactError, match=r"not a mean over examples.*divides by each shard's own count.*"
+                                            r"jdp.Weighted"):
+        assert_data_parallel_exact(own_count_loss, optax.adam(1e-2), token_params(), data,
+                                   devices=jax.devices()[:N], backends="shard_map", accum_steps=2, has_aux=True)

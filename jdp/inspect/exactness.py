@@ -18,6 +18,7 @@ from flax import nnx
 
 from jdp.core.step import get_tree
 from jdp.core.step import make_train_step as make_array_step
+from jdp.inspect.exactness_weighted import is_weighted_loss, own_count_hint, reference_weighted
 from jdp.inspect.replicas import check_replicas
 
 # dtype: (rtol, atol). A leaf passes if max |jdp - reference| <= atol + rtol * max |reference|.
@@ -138,7 +139,9 @@ def assert_data_parallel_exact(loss_fn: Callable, optimizer, params_or_model, ba
 
     Args:
       loss_fn: `loss_fn(params, batch)` (array params) or `loss_fn(model, batch)` (an nnx model):
-        the MEAN loss over the examples it is given, as for `jdp.make_train_step`; `(loss, aux)`
+        the MEAN loss over the examples it is given, as for `jdp.make_train_step`, or (array
+        params) `jdp.Weighted(sum, weight)`, e.g. over real tokens, whose reference divides the
+        sums of each optimizer step's whole global batch by its whole weight once; `(loss, aux)`
         with has_aux (aux: scalar means such as accuracy; compared too). With has_state (array
         params, e.g. a Linen model with BatchNorm): `loss_fn(params, model_state, batch) -> (loss,
         new_model_state)`, or `(loss, (aux, new_model_state))` with has_aux.
@@ -173,7 +176,9 @@ def assert_data_parallel_exact(loss_fn: Callable, optimizer, params_or_model, ba
     Returns the `ExactnessReport` (print it). Raises `NotExactError` (an AssertionError): with the
     report, failing leaves first, when a leaf is beyond its tolerance or when the reference moved no
     parameter beyond its tolerance (the comparison would prove nothing); without it (`.report` None)
-    when the reference went NaN/Inf, or a run's replicas or optimizer step count are wrong.
+    when the reference went NaN/Inf, or a run's replicas or optimizer step count are wrong. A
+    plain loss that fails because it is not a mean over examples (it divides by each device's own
+    count of tokens) is named as the cause, with the weighted form that fixes it.
     """
     batches, backends, syncs = _checked_arguments(batches, backends, accum_sync, step_options)
     devices = _checked_devices(devices)
@@ -187,7 +192,14 @@ def assert_data_parallel_exact(loss_fn: Callable, optimizer, params_or_model, ba
             labels.append(label)
             options = dict(step_options, backend=backend, devices=devices, accum_steps=accum_steps, accum_sync=sync)
             rows += _compare_run(label, setup, _run_jdp(label, setup, batches, options), reference)
-    return _verdict(rows, labels, len(devices), len(batches))
+    try:
+        return _verdict(rows, labels, len(devices), len(batches))
+    except NotExactError as e:
+        hint = None if isinstance(params_or_model, nnx.Module) or e.report is None else own_count_hint(
+            setup, _micro(batches[0], accum_steps)[0], len(devices), step_options.get("axis_name", "data"))
+        if hint is None:
+            raise
+        raise NotExactError(f"{hint}\n{e}", e.report) from None
 
 
 def _reference(setup, loss_fn, params_or_model, batches: list, accum_steps: int, has_aux: bool, axis: str, device):
@@ -195,9 +207,12 @@ def _reference(setup, loss_fn, params_or_model, batches: list, accum_steps: int,
     `_reference_params`), through `optax.MultiSteps` over the micro-batches when accum_steps > 1;
     NotExactError if it went NaN/Inf."""
     tx = setup.tx if accum_steps == 1 else optax.MultiSteps(setup.tx, accum_steps).gradient_transformation()
-    reference = (_reference_model(loss_fn, tx, params_or_model, batches, accum_steps, has_aux, device)
-                 if isinstance(params_or_model, nnx.Module) else
-                 _reference_params(setup, tx, batches, accum_steps, axis, device))
+    if isinstance(params_or_model, nnx.Module):
+        reference = _reference_model(loss_fn, tx, params_or_model, batches, accum_steps, has_aux, device)
+    elif is_weighted_loss(setup, batches[0], axis):
+        reference = reference_weighted(setup, batches, accum_steps, axis, device)
+    else:
+        reference = _reference_params(setup, tx, batches, accum_steps, axis, device)
     _check_reference_finite(reference[1])
     return reference
 

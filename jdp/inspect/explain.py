@@ -21,7 +21,7 @@ from jdp.core.optim import OptimizerSpec
 from jdp.core.reduce import mean_over_devices, sum_over_devices
 from jdp.core.step import get_params
 from jdp.data import SEED_REGRESSIONS, load_seed_regression
-from jdp.inspect import explain_precision
+from jdp.inspect import explain_precision, explain_tokens
 from jdp.inspect.explain_common import Problem, cached_step, cpu_devices, matrix_specs, max_abs_diff, table, train_problem
 
 EXPLAIN_DEVICES = 8  # fake CPU devices `jdp explain` needs
@@ -186,13 +186,15 @@ CONCLUSION = (
     "compares an N-times norm with the threshold and clips when the mean would not; AdamW's weight "
     "decay gets divided too. Each difference comes from exactly one hyperparameter that is not "
     "scale-free (lr for SGD, ε for Adam, the max-norm for clipping), and correcting that one value "
-    "makes the sum exact again. In fp16 the sum itself can overflow, so jdp divides before it sums.")
+    "makes the sum exact again. In fp16 the sum itself can overflow, so jdp divides before it sums. "
+    "Per token, a mean is exact only when it is divided once by the global count: every device and "
+    "micro-batch that divides by its own count averages means, which jdp.Weighted(sum, count) avoids.")
 
 
 # The parts of `explain()`'s report, in the order it computes them: result key -> what it is.
 PARTS = {"seed_single_param": "seed regression 1", "seed_two_params": "seed regression 2",
          "matrix": "deviation matrix", "bf16_comm": "bf16 gradient communication", "adam_eps": "Adam ε sweep",
-         "clipping": "clipping rates", "fp16": "fp16 overflow"}
+         "clipping": "clipping rates", "fp16": "fp16 overflow", "tokens": "token-weighted means"}
 
 
 @dataclass(frozen=True)
@@ -224,7 +226,8 @@ def explain(ns=(2, 4, 8), backend: str = "shard_map", progress: Callable[[Progre
             "bf16_comm": lambda row: explain_precision.bf16_communication(ns, backend, progress=row),
             "adam_eps": lambda row: adam_eps_sweep(n, backend=backend, progress=row),
             "clipping": lambda row: clipping_rates(n, backend=backend, progress=row),
-            "fp16": lambda row: fp16_overflow(n)}
+            "fp16": lambda row: fp16_overflow(n),
+            "tokens": lambda row: explain_tokens.token_normalisations(min(n, 4), progress=row)}
     results = {}
     try:
         for number, (key, run) in enumerate(runs.items(), 1):
@@ -317,6 +320,8 @@ def render(results: dict, console=None) -> None:
     t.add_row("lax.pmean (sum, then divide)", str(f["lax_pmean"]))
     t.add_row("jdp mean (divide, then sum)", str(f["jdp_mean_divide_first"]))
     console.print(t)
+    if "tokens" in results:
+        explain_tokens.render_token_normalisations(results["tokens"], console, table)
     console.print("\n[bold]Conclusion.[/bold] " + results["conclusion"])
 
 
