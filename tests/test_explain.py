@@ -75,12 +75,12 @@ def test_cli_json(monkeypatch, capsys):
     out, err = capsys.readouterr()
     results = json.loads(out)  # stdout is the JSON document and nothing else
     # every part that runs several things reports each as it starts, saying what it does
-    for line in ("part 3 of 7: deviation matrix, 2 of 2 (sgd, clip on)",
-                 "part 4 of 7: bf16 gradient communication, 1 of 3 (sgd, all-reduce in float32, N = 2)",
-                 "part 4 of 7: bf16 gradient communication, 2 of 3 (sgd, all-reduce in bfloat16, N = 1, 2)",
-                 "part 4 of 7: bf16 gradient communication, 3 of 3 (the lowered program's all-reduce bytes at N = 2)",
-                 "part 5 of 7: Adam ε sweep, 1 of 1 (loss × 1, mean and raw sum on 2 devices)",
-                 "part 6 of 7: clipping rates, 4 of 4 (sum + exact, 2 steps on 2 devices)"):
+    for line in ("part 3 of 8: deviation matrix, 2 of 2 (sgd, clip on)",
+                 "part 4 of 8: bf16 gradient communication, 1 of 3 (sgd, all-reduce in float32, N = 2)",
+                 "part 4 of 8: bf16 gradient communication, 2 of 3 (sgd, all-reduce in bfloat16, N = 1, 2)",
+                 "part 4 of 8: bf16 gradient communication, 3 of 3 (the lowered program's all-reduce bytes at N = 2)",
+                 "part 5 of 8: Adam ε sweep, 1 of 1 (loss × 1, mean and raw sum on 2 devices)",
+                 "part 6 of 8: clipping rates, 4 of 4 (sum + exact, 2 steps on 2 devices)"):
         assert f"jdp explain: {line}\n" in err, err
     assert set(results) >= {"seed_single_param", "seed_two_params", "matrix", "adam_eps", "clipping", "fp16",
                             "bf16_comm", "conclusion", "backend"}
@@ -98,6 +98,10 @@ def test_cli_json(monkeypatch, capsys):
     assert {r["reduction"]: r["clipped_steps"] for r in results["clipping"]} == {
         "mean": 0, "sum raw": 2, "sum + auto LR": 2, "sum + exact": 0}
     np.testing.assert_allclose(results["fp16"]["jdp_mean_divide_first"], results["fp16"]["true_mean"], rtol=2e-3)
+    tokens = {r["run"]: r["max_abs_dparam"] for r in results["tokens"]["runs"]}
+    assert len(set(results["tokens"]["tokens_per_device"])) > 1  # the counts differ between devices
+    for run, d in tokens.items():  # only the global token mean (jdp.Weighted) is one device's step
+        assert (d <= 1e-6) == run.startswith("jdp.Weighted") and (d <= 1e-6 or d > 1e-4), (run, d)
     console = Console(file=io.StringIO(), width=80)
     ex.render(results, console)  # the tables, from the JSON document as printed, in 80 columns
     text = console.file.getvalue()

@@ -83,7 +83,9 @@ def summed_loss(params, batch):  # wrong: sums over the examples instead of aver
 def test_a_summed_loss_fails_with_every_leaf_worst_first():
     with pytest.raises(NotExactError) as failed:
         assert_data_parallel_exact(summed_loss, optax.sgd(1e-3), mlp_params(), batches(3, 32), devices=FOUR)
-    message = str(failed.value)
+    cause, message = str(failed.value).split("\n", 1)  # first the cause, measured on the first batch
+    assert cause.startswith("loss_fn is not a mean over examples: on the first batch its value on the whole batch")
+    assert "4 times the mean of its values on the 4 device shards" in cause
     assert message.startswith("jdp on 4 devices does not take the one-device steps: 14 of 14 leaves beyond "
                               "tolerance (worst first; runs: shard_map, pmap):")
     lines = message.splitlines()

@@ -102,6 +102,9 @@ def test_training_on_a_token_file_resumes_bit_exactly(tmp_path, files):
     quiet = dict(log=lambda *a: None, progress=False)
     straight = train(config, str(tmp_path / "straight"), **quiet)
     assert straight.steps == 45 and np.isfinite(straight.eval["loss"])
+    with open(tmp_path / "straight" / "metrics.jsonl") as f:  # the loss is per token: the step's tokens are logged
+        weights = {r["weight"] for r in map(json.loads, f) if "loss" in r}
+    assert weights == {16.0 * 8}  # data.batch_size windows × model.context tokens
     first = train(config, str(tmp_path / "resumed"), stop_after=20, **quiet)  # mid-epoch 0 (39 steps per epoch)
     assert first.steps == 20
     second = train(config, str(tmp_path / "resumed"), **quiet)  # crosses into epoch 1

@@ -276,3 +276,21 @@ def test_assert_data_parallel_exact_takes_weighted_losses_and_names_own_counts()
                                             r"jdp.Weighted"):
         assert_data_parallel_exact(own_count_loss, optax.adam(1e-2), token_params(), data,
                                    devices=jax.devices()[:N], backends="shard_map", accum_steps=2, has_aux=True)
+
+
+@pytest.mark.parametrize("m,sync,per_update", [(1, "every", 1), (2, "every", 2), (2, "last", 1)])
+def test_the_weight_travels_in_the_gradients_all_reduce(m, sync, per_update):
+    """No extra collective for the weight: one all-reduce per call carries gradient, loss, aux and
+    weight; with "last", one per optimizer step."""
+    step = jdp.make_train_step(weighted_loss, optax.adam(1e-2), devices=jax.devices()[:N], has_aux=True,
+                               accum_steps=m, accum_sync=sync)
+    state = step.init(token_params())
+    rep = jdp.comm_report(step, state, token_batches(N * B, 1)[0])
+    assert [a.carries_gradients for a in rep.allreduces].count(True) == 1
+    plain = jdp.make_train_step(own_count_loss, optax.adam(1e-2), devices=jax.devices()[:N], has_aux=True,
+                                accum_steps=m, accum_sync=sync)
+    assert len(rep.allreduces) == len(jdp.comm_report(plain, plain.init(token_params()),
+                                                      token_batches(N * B, 1)[0]).allreduces)
+    assert rep.gradient_allreduces_per_update == per_update
+    grad_bytes = sum(np.asarray(x).nbytes for x in jax.tree.leaves(token_params()))
+    assert grad_bytes <= max(a.bytes for a in rep.allreduces) <= grad_bytes + 64

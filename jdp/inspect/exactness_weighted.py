@@ -101,6 +101,10 @@ def own_count_hint(setup, batch, devices: int, axis: str) -> str | None:
     mean = float(np.mean(shards))
     if abs(whole - mean) <= 1e-5 * max(1.0, abs(whole)):
         return None
+    if abs(whole - devices * mean) <= 1e-4 * max(1.0, abs(whole)):
+        return (f"loss_fn is not a mean over examples: on the first batch its value on the whole batch ({whole:.6g}) is "
+                f"{devices} times the mean of its values on the {devices} device shards ({mean:.6g}), as a sum over "
+                f"examples is; return the mean (jdp averages over devices), or jdp.Weighted(sum, count).")
     return (f"loss_fn is not a mean over examples: on the first batch its value on the whole batch ({whole:.6g}) "
             f"differs from the mean of its values on the {devices} device shards ({mean:.6g}), as when it divides by "
             f"each shard's own count of real tokens; return jdp.Weighted(sum of the losses, their count) so that jdp "
