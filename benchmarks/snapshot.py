@@ -130,9 +130,10 @@ def paths():
             loss_state, adam, batches, 3, {"model_state": {"mean": np.zeros(SIZES[0], np.float32)}},
             has_state=True, sync_batchnorm=False, backend=backend)
         padded = data(STEPS, GLOBAL, seed=2, mask_from=GLOBAL - 10)
-        yield f"{backend}.mask_m1", lambda: run(loss_masked, adam, padded, has_aux=True, backend=backend)
+        yield f"{backend}.mask_m1", lambda: run(loss_masked, adam, padded, has_aux=True, backend=backend,
+                                                mask_key="mask")
         yield f"{backend}.mask_m3_last", lambda: run(loss_masked, adam, padded, 3, {"example_batch": padded[0]},
-                                                     has_aux=True, backend=backend, accum_sync="last")
+                                                     has_aux=True, backend=backend, accum_sync="last", mask_key="mask")
         yield f"{backend}.skip_m1", lambda: run(loss_nan, adam, data(STEPS, GLOBAL, seed=3), skip_nonfinite=True,
                                                 backend=backend)
         yield f"{backend}.skip_m3_last", lambda: run(loss_nan, adam, data(STEPS, GLOBAL, seed=3), 3,

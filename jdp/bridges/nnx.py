@@ -148,8 +148,9 @@ def task(model: nnx.Module, loss_fn: Callable, metric_fn: Callable, train, test=
     evaluation, multi-process). The config's model and data names are then not used.
 
     `loss_fn` as for `make_train_step`; with `data.drop_last: false` batches carry a "mask" (1 real,
-    0 padding) and the loss must be `sum(mask · per-example loss) / b`. `metric_fn(model, batch) ->
-    {name: per-example values}` on the model in eval mode. `train`/`test`: dicts of arrays with one
+    0 padding) and the loss must be `sum(mask · per-example loss) / b` (the trainer's step divides by
+    the real count), or `jdp.Weighted(sum(mask · l), sum(mask))`, e.g. per token. `metric_fn(model,
+    batch) -> {name: per-example values, or jdp.Weighted of per-token ones}` on the model in eval mode. `train`/`test`: dicts of arrays with one
     leading axis, or any source `jdp.data.make_batches` takes (a `grain.MapDataset`, an object with
     `__len__` and `__getitem__(i) -> {key: array}`, `jdp.data.load_tokens(...)`,
     `jdp.data.load_array_record(...)`). `transform(example, rng) -> example` runs on every training

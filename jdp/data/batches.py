@@ -222,8 +222,9 @@ def make_batches(dataset, global_batch_size: int, *, seed: int = 0, drop_last: b
     - `drop_last=False`: the last global batch is padded to G with the epoch's first examples and
       every batch gets `"mask"`, float32 `(G/P,)`, 1.0 for a real example and 0.0 for padding. The loss
       must then be `sum(mask · per_example_loss) / b_local` (b_local: the device's rows, padding
-      included), which jdp's step rescales by the count of real examples, so the mean over the
-      real examples stays exact. Padding rows still pass through the model (e.g. BatchNorm
+      included) with the step's `mask_key="mask"`, which divides by the count of real examples,
+      so the mean over the real examples stays exact (or a `jdp.Weighted(sum(mask · l), sum(mask))`
+      loss, which needs no mask_key). Padding rows still pass through the model (e.g. BatchNorm
       statistics see them).
 
     `transform(example, rng) -> example` runs on every example as it is read (`rng` seeded from
