@@ -1,22 +1,44 @@
-"""Mutation check: deliberate bugs in jdp, each of which the tests must catch.
+"""Mutation check: deliberate bugs in jdp, each of which the tests must catch, and which tier catches it.
 
-  python -m benchmarks.mutants                 # every mutant, against the repo's jdp/
-  python -m benchmarks.mutants --only NAME     # one mutant
+  python -m benchmarks.mutants                 # every mutant: the quick tier first, then its selection
+  python -m benchmarks.mutants --only A,B      # these mutants
+  python -m benchmarks.mutants --selection     # the fast path: each mutant's own selection only, no tier
+  python -m benchmarks.mutants --whole-quick   # where the quick tests of its files miss it, the whole quick tier
   python -m benchmarks.mutants --jdp DIR       # mutate another copy of the package (e.g. an older commit's)
   python -m benchmarks.mutants --baseline      # first, every selection on the unmutated copy: must pass
   python -m benchmarks.mutants --list
 
 Each mutant is one edit: an exact snippet of a file under jdp/ that must occur exactly once there,
-and its replacement. For each, the package (the repo's jdp/, or --jdp DIR), the repo's tests/,
-benchmarks/, configs/, examples/, docs/, pyproject.toml, README.md and CONTRIBUTING.md are copied
-into a fresh temporary directory, the edit is applied, and the mutant's selection of tests runs there
-(`python -m pytest -x`, cwd and PYTHONPATH the copy, so `import jdp` finds the mutant before the
-editable install; checked for every mutant, and the `sanity_import_fails` mutant proves it by
-failing at import with the copy's path).
+and its replacement, and a selection of tests (the cheapest that catches it). For each, the package
+(the repo's jdp/, or --jdp DIR), the repo's tests/, benchmarks/, configs/, examples/, docs/,
+pyproject.toml, README.md and CONTRIBUTING.md are copied into a fresh temporary directory, the edit
+is applied, and pytest runs there (`python -m pytest -n0 -x`, cwd and PYTHONPATH the copy, so
+`import jdp` finds the mutant before the editable install; checked for every mutant, and the
+`sanity_import_fails` mutant proves it by failing at import with the copy's path).
 
-A mutant is caught when a test fails, survives when its selection passes. The table goes to stdout
-and benchmarks/results/mutants.md. Exit status 1 if any mutant survives, any snippet does not
-occur exactly once (a stale mutant is an error, never a pass), or a selection errs.
+Which tier catches it. By default each mutant runs in up to two stages, and the first that fails
+decides:
+
+1. quick: `pytest -m quick FILES`, the quick tier's tests in the files (and node ids) of its
+   selection, its `-k` dropped. A failure here is the quick tier failing on the bug.
+2. full: its selection, which the full suite runs. Caught only here: the quick tier's tests of
+   those files pass on it.
+
+Stage 1 costs what the selection costs (it collects only those files), so the default stays about
+as cheap as the selections alone. It answers "does the quick tier catch it?" exactly when the
+quick test that would catch it is in the selection's files, which is where a mutant's own quick
+test lives (every mutant added since the quick tier was checked names one). `--whole-quick`
+settles the rest: a mutant stage 1 misses runs the whole quick tier before its selection (the
+whole tier, ~1-2 min per such mutant on 2 cores), so "full suite only" then means no quick test
+catches it. `--selection` is the fast path while you work on one mutant.
+
+The snippet check in tests/test_mutants.py reads the unmutated package (JDP_MUTANTS_SOURCE), so it
+never "catches" a mutant in the whole quick tier.
+
+A mutant is caught when a test fails, survives when every stage passes. The table (with the tier
+of each) goes to stdout and, for a run of every mutant, to benchmarks/results/mutants.md. Exit
+status 1 if any mutant survives, any snippet does not occur exactly once (a stale mutant is an
+error, never a pass), or a stage errs.
 """
 from __future__ import annotations
 
@@ -405,7 +427,7 @@ MUTANTS = [
     Mutant("zero_padding_mask_off_by_one", "core/zero.py",
            "return jnp.where(index < leaf.size, x, jnp.zeros_like(x))",
            "return jnp.where(index <= leaf.size, x, jnp.zeros_like(x))",  # the first padding slot counts as real
-           ("tests/test_zero.py::test_padding_never_decides_a_skip",)),
+           ("tests/test_zero.py::test_the_padding_mask_keeps_every_real_slot_and_no_padding_slot",)),
     Mutant("linen_micro_step_not_scaled", "bridges/linen.py",
            "micro_step=count * step.options.accum_steps",
            "micro_step=count",  # an odd TrainState.step with accum_steps=2: updates on the wrong micro-batch

@@ -140,7 +140,7 @@ QUICK = (
     # Each catches one-line bugs of a kind the quick tier once missed (benchmarks/mutants.py names them).
     "test_facts.py", "test_train.py::test_evaluation_leaves_the_padding_of_the_last_batch_out",
     "test_state_and_mask.py::test_model_state_is_carried_and_averaged[2-last-shard_map]",
-    "test_nnx.py::test_stored_rngs_are_reseeded_per_device", "test_zero.py::test_padding_never_decides_a_skip",
+    "test_nnx.py::test_stored_rngs_are_reseeded_per_device", "test_zero.py::test_the_padding_mask_keeps_every_real_slot_and_no_padding_slot",
     "test_data_sources.py::test_token_windows_follow_the_documented_definition",
     "test_data_sources.py::test_bad_token_files_raise_one_sentence",
     "test_workdir_files.py::test_a_checkpoint_is_proven_jdps_only_without_following_a_link",
