@@ -24,8 +24,8 @@ decides:
 2. full: its selection, which the full suite runs. Caught only here: the quick tier's tests of
    those files pass on it.
 
-Stage 1 costs what the selection costs (it collects only those files), so the default stays about
-as cheap as the selections alone. It answers "does the quick tier catch it?" exactly when the
+Stage 1 costs what the selection costs (it collects only those files), so the default costs the
+selections plus one short run for each mutant stage 1 misses. It answers "does the quick tier catch it?" exactly when the
 quick test that would catch it is in the selection's files, which is where a mutant's own quick
 test lives (every mutant added since the quick tier was checked names one). `--whole-quick`
 settles the rest: a mutant stage 1 misses runs the whole quick tier before its selection (the
