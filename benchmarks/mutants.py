@@ -1,27 +1,48 @@
-"""Mutation check: deliberate bugs in jdp, each of which the tests must catch.
+"""Mutation check: deliberate bugs in jdp, each of which the tests must catch, and which tier catches it.
 
-  python -m benchmarks.mutants                 # every mutant, against the repo's jdp/
-  python -m benchmarks.mutants --only NAME     # one mutant
+  python -m benchmarks.mutants                 # every mutant: the quick tier first, then its selection
+  python -m benchmarks.mutants --only A,B      # these mutants
+  python -m benchmarks.mutants --selection     # the fast path: each mutant's own selection only, no tier
+  python -m benchmarks.mutants --whole-quick   # where the quick tests of its files miss it, the whole quick tier
   python -m benchmarks.mutants --jdp DIR       # mutate another copy of the package (e.g. an older commit's)
   python -m benchmarks.mutants --baseline      # first, every selection on the unmutated copy: must pass
   python -m benchmarks.mutants --list
 
 Each mutant is one edit: an exact snippet of a file under jdp/ that must occur exactly once there,
-and its replacement. For each, the package (the repo's jdp/, or --jdp DIR), the repo's tests/,
-benchmarks/, configs/, examples/, docs/, pyproject.toml, README.md and CONTRIBUTING.md are copied
-into a fresh temporary directory, the edit is applied, and the mutant's selection of tests runs there
-(`python -m pytest -x`, cwd and PYTHONPATH the copy, so `import jdp` finds the mutant before the
-editable install; checked for every mutant, and the `sanity_import_fails` mutant proves it by
-failing at import with the copy's path).
+and its replacement, and a selection of tests (the cheapest that catches it). For each, the package
+(the repo's jdp/, or --jdp DIR), the repo's tests/, benchmarks/, configs/, examples/, docs/,
+pyproject.toml, README.md and CONTRIBUTING.md are copied into a fresh temporary directory, the edit
+is applied, and pytest runs there (`python -m pytest -n0 -x`, cwd and PYTHONPATH the copy, so
+`import jdp` finds the mutant before the editable install; checked for every mutant, and the
+`sanity_import_fails` mutant proves it by failing at import with the copy's path).
 
-A mutant is caught when a test fails, survives when its selection passes. The table goes to stdout
-and benchmarks/results/mutants.md. Exit status 1 if any mutant survives, any snippet does not
-occur exactly once (a stale mutant is an error, never a pass), or a selection errs.
+Which tier catches it. By default each mutant runs in up to two stages, and the first that fails
+decides:
+
+1. quick: `pytest -m quick FILES`, the quick tier's tests in the files (and node ids) of its
+   selection, its `-k` dropped. A failure here is the quick tier failing on the bug.
+2. full: its selection, which the full suite runs. Caught only here: the quick tier's tests of
+   those files pass on it.
+
+Stage 1 costs what the selection costs (it collects only those files), so the default costs the
+selections plus one short run for each mutant stage 1 misses. It answers "does the quick tier catch it?" exactly when the
+quick test that would catch it is in the selection's files, which is where a mutant's own quick
+test lives (every mutant added since the quick tier was checked names one). `--whole-quick`
+settles the rest: a mutant stage 1 misses runs the whole quick tier before its selection (the
+whole tier, ~1-2 min per such mutant on 2 cores), so "full suite only" then means no quick test
+catches it. `--selection` is the fast path while you work on one mutant.
+
+The snippet check in tests/test_mutants.py reads the unmutated package (JDP_MUTANTS_SOURCE), so it
+never "catches" a mutant in the whole quick tier.
+
+A mutant is caught when a test fails, survives when every stage passes. The table (with the tier
+of each) goes to stdout and, for a run of every mutant, to benchmarks/results/mutants.md. Exit
+status 1 if any mutant survives, any snippet does not occur exactly once (a stale mutant is an
+error, never a pass), or a stage errs.
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import re
 import shutil
@@ -406,6 +427,55 @@ MUTANTS = [
            "logging.getLogger(\"asyncio\").addFilter(",
            "(lambda f: None)(",  # asyncio's tracebacks of the failed save's other writes print again
            ("tests/test_faults_run.py::test_the_failed_saves_other_write_tasks_print_nothing_at_exit",)),
+    # Twelve one-line bugs of kinds the quick tier once missed (issue 33); each now has a quick test.
+    Mutant("eval_sums_ignore_the_mask", "core/evaluate.py",
+           "sums = {k: jnp.sum(v.astype(jnp.float32) * mask) for k, v in values.items()}",
+           "sums = {k: jnp.sum(v.astype(jnp.float32)) for k, v in values.items()}",  # padding counted in the metric
+           ("tests/test_train.py::test_evaluation_leaves_the_padding_of_the_last_batch_out",)),
+    Mutant("last_model_state_not_averaged", "core/algorithm.py",
+           "model_state=mean_over_devices(model_state, layout.axis) if jax.tree.leaves(model_state) else model_state",
+           "model_state=model_state",  # accum_sync="last": each device keeps its own BatchNorm statistics
+           ("tests/test_state_and_mask.py::test_model_state_is_carried_and_averaged[2-last-shard_map]",)),
+    Mutant("nnx_stored_rngs_not_reseeded", "bridges/nnx.py",
+           "nnx.reseed(model, **{s: jax.random.fold_in(key, i) for i, s in enumerate(split.streams)})",
+           "pass",  # every device (and every call) draws the stored nnx.Rngs' one dropout mask
+           ("tests/test_nnx.py::test_stored_rngs_are_reseeded_per_device",)),
+    Mutant("fsdp_gather_keeps_padding_tail", "core/fsdp.py",
+           "return flat[:shard.size].reshape(shard.shape)",
+           "return flat[-shard.size:].reshape(shard.shape)",  # a leaf of size 5 on 4 devices: 3 padding zeros in it
+           ("tests/test_fsdp.py::test_params_and_optimizer_state_are_one_nth_per_device",)),
+    Mutant("zero_padding_mask_off_by_one", "core/zero.py",
+           "return jnp.where(index < leaf.size, x, jnp.zeros_like(x))",
+           "return jnp.where(index <= leaf.size, x, jnp.zeros_like(x))",  # the first padding slot counts as real
+           ("tests/test_zero.py::test_the_padding_mask_keeps_every_real_slot_and_no_padding_slot",)),
+    Mutant("linen_micro_step_not_scaled", "bridges/linen.py",
+           "micro_step=count * step.options.accum_steps",
+           "micro_step=count",  # an odd TrainState.step with accum_steps=2: updates on the wrong micro-batch
+           ("tests/test_linen.py::test_bridge_equals_the_linen_loop_and_hands_back[shard_map-adam-2-last-1]",)),
+    Mutant("token_windows_ignore_the_stride", "data/tokens.py",
+           "starts = indices * self.stride",
+           "starts = indices * self.context_length",
+           ("tests/test_data_sources.py::test_token_windows_follow_the_documented_definition",)),
+    Mutant("token_sample_skips_last_id", "data/tokens.py",
+           "chunk = self.tokens[start:start + block]",
+           "chunk = self.tokens[start:start + block - 1]",  # a bad id as the file's last token opens
+           ("tests/test_data_sources.py::test_bad_token_files_raise_one_sentence",)),
+    Mutant("stop_decided_by_process_0", "run/distributed.py",
+           "return bool(_gather(np.array([flag], np.int32)).any())",
+           "return bool(_gather(np.array([flag], np.int32))[0])",  # a SIGTERM to process 1 stops nobody
+           ("tests/test_facts.py::test_a_stop_asked_by_any_one_process_is_every_process_decision",)),
+    Mutant("checkpoint_metadata_read_through_link", "run/workfiles.py",
+           "fd = os.open(names[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)",
+           "fd = os.open(names[-1], os.O_RDONLY | os.O_CLOEXEC, dir_fd=fd)",  # a linked meta/metadata proves nothing
+           ("tests/test_workdir_files.py::test_a_checkpoint_is_proven_jdps_only_without_following_a_link",)),
+    Mutant("fallback_takes_the_oldest_intact", "run/checkpoint.py",
+           "reverse=True)]:",
+           "reverse=False)]:",  # checkpoints 1, 2 intact, 3 damaged: resumes from 1
+           ("tests/test_faults_checkpoint.py::test_fallback_resumes_from_the_newest_intact_checkpoint",)),
+    Mutant("model_state_not_checked_before_saving", "run/checkpoint.py",
+           'for name in ("params", "opt_state", "model_state"):',
+           'for name in ("params", "opt_state"):',  # NaN BatchNorm statistics are checkpointed
+           ("tests/test_faults_api.py::test_a_nonfinite_model_state_is_never_saved",)),
 ]
 
 
@@ -446,44 +516,77 @@ def scratch_copy(mutant: Mutant, jdp_dir: str, base: str) -> str:
     return where
 
 
-def run_mutant(mutant: Mutant, jdp_dir: str, base: str, timeout: float) -> dict:
+def quick_paths(tests: tuple[str, ...]) -> tuple[str, ...]:
+    """The files and node ids of a selection without its "-k EXPR": where the quick stage looks first."""
+    paths, skip = [], False
+    for t in tests:
+        if skip or t == "-k":
+            skip = not skip
+            continue
+        paths.append(t)
+    return tuple(paths)
+
+
+def stages(mutant: Mutant, mode: str) -> list[tuple[str, tuple[str, ...]]]:
+    """The pytest runs for a mutant, cheapest first, each with the tier it speaks for; the first that
+    fails decides. "quick" is the quick tier's tests in the selection's files (or the whole quick
+    tier), "full" the selection itself (which the full suite runs)."""
+    if not mutant.old or mode == "selection":
+        return [("full", mutant.tests)]
+    quick = [("quick", ("-m", "quick", *quick_paths(mutant.tests)))]
+    if mode == "whole-quick":
+        quick.append(("quick", ("-m", "quick", "tests")))
+    return [*quick, ("full", mutant.tests)]
+
+
+def _pytest(args: tuple[str, ...], where: str, env: dict, timeout: float):
+    return subprocess.run([sys.executable, "-m", "pytest", "-n0", "-x", "-q", "-p", "no:cacheprovider", *args],
+                          capture_output=True, text=True, cwd=where, env=env, timeout=timeout)
+
+
+def run_mutant(mutant: Mutant, jdp_dir: str, base: str, timeout: float, mode: str = "quick") -> dict:
+    """Apply `mutant` in a scratch copy and run its stages (`stages`) until one fails.
+
+    Returns {"status": caught | survived | passed (the baseline) | error, "tier": the tier of the
+    stage that caught it, "detail", "seconds"}.
+    """
     t0 = time.perf_counter()
     where = scratch_copy(mutant, jdp_dir, base)
-    env = {**os.environ, "PYTHONPATH": where, "PYTHONDONTWRITEBYTECODE": "1"}
+    env = {**os.environ, "PYTHONPATH": where, "PYTHONDONTWRITEBYTECODE": "1",
+           "JDP_MUTANTS_SOURCE": jdp_dir}  # tests/test_mutants.py checks the snippets against the unmutated package
     env.pop("XLA_FLAGS", None)  # tests/conftest.py sets the device count
     # The repo's compilation cache: keyed by the HLO, so a mutant's changed steps never hit it.
     env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(ROOT, ".pytest_cache", "jax"))
+    result = lambda status, detail="", tier=None, **more: {  # noqa: E731
+        "status": status, "tier": tier, "detail": detail, "seconds": time.perf_counter() - t0, **more}
     try:
         # `import jdp` must find the copy, not the editable install of the repo's jdp/.
         origin = subprocess.run([sys.executable, "-c", "import importlib.util; print(importlib.util.find_spec('jdp').origin)"],
                                 capture_output=True, text=True, cwd=where, env=env, timeout=60).stdout.strip()
         if not origin.startswith(where + os.sep):
-            return {"status": "error", "detail": f"`import jdp` found {origin!r}, not the mutated copy",
-                    "seconds": time.perf_counter() - t0}
-        try:
-            r = subprocess.run([sys.executable, "-m", "pytest", "-n0", "-x", "-q", "-p", "no:cacheprovider",
-                                *mutant.tests],
-                               capture_output=True, text=True, cwd=where, env=env, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return {"status": "error", "detail": f"timed out after {timeout:.0f} s", "seconds": time.perf_counter() - t0}
-        out = r.stdout + r.stderr
-        seconds = time.perf_counter() - t0
-        failed = re.search(r"^(?:FAILED|ERROR) (\S+)", out, re.MULTILINE)
-        if mutant.name == "sanity_import_fails":  # it must fail at import, from the copy
-            if f"{SANITY} {os.path.join(where, 'jdp')}" in out:
-                return {"status": "caught", "detail": "import jdp (the mutated copy)", "seconds": seconds}
-            return {"status": "error", "detail": "the sanity mutant did not fail at import of the copy",
-                    "seconds": seconds, "output": out[-3000:]}
-        if r.returncode == 0:
-            if not mutant.old:
-                return {"status": "passed", "detail": "every selection passes unmutated", "seconds": seconds}
-            return {"status": "survived", "detail": "", "seconds": seconds}
-        if r.returncode == 1 and failed:
-            return {"status": "caught", "detail": failed.group(1), "seconds": seconds}
-        if r.returncode < 0 and mutant.old:  # the mutant crashed the test process: what the guard prevents
-            return {"status": "caught", "detail": f"the tests crashed (signal {-r.returncode})", "seconds": seconds}
-        return {"status": "error", "detail": f"pytest exit status {r.returncode}", "seconds": seconds,
-                "output": out[-3000:]}
+            return result("error", f"`import jdp` found {origin!r}, not the mutated copy")
+        for tier, args in stages(mutant, mode):
+            try:
+                r = _pytest(args, where, env, timeout)
+            except subprocess.TimeoutExpired:
+                return result("error", f"timed out after {timeout:.0f} s")
+            out = r.stdout + r.stderr
+            failed = re.search(r"^(?:FAILED|ERROR) (.+?)(?: - .*)?$", out, re.MULTILINE)
+            if mutant.name == "sanity_import_fails":  # it must fail at import, from the copy
+                if f"{SANITY} {os.path.join(where, 'jdp')}" in out:
+                    return result("caught", "import jdp (the mutated copy)", tier)
+                return result("error", "the sanity mutant did not fail at import of the copy", output=out[-3000:])
+            if r.returncode == 1 and failed and mutant.old:
+                return result("caught", failed.group(1), tier)
+            if r.returncode < 0 and mutant.old:  # the mutant crashed the test process: what the guard prevents
+                return result("caught", f"the tests crashed (signal {-r.returncode})", tier)
+            if r.returncode == 5 and tier == "quick":  # the selection's files hold no quick test
+                continue
+            if r.returncode != 0:
+                return result("error", f"pytest {' '.join(args)}: exit status {r.returncode}", output=out[-3000:])
+        if not mutant.old:
+            return result("passed", "every selection passes unmutated")
+        return result("survived")
     finally:
         shutil.rmtree(where, ignore_errors=True)
 
@@ -497,34 +600,56 @@ def source_label(jdp_dir: str) -> str:
     return f"jdp/ at commit {r.stdout.strip()}" + (" with uncommitted changes" if dirty.stdout.strip() else "")
 
 
-def table(rows: list[tuple[Mutant, dict]]) -> str:
-    lines = ["| mutant | file | caught by | time |", "|---|---|---|---|"]
+TIERS = {"quick": "quick", "full": "full suite"}
+
+
+def table(rows: list[tuple[Mutant, dict]], mode: str) -> str:
+    lines = ["| mutant | file | tier | caught by | time |", "|---|---|---|---|---|"]
     for m, res in rows:
         verdict = res["detail"] if res["status"] in ("caught", "passed") else f"**{res['status'].upper()}** {res['detail']}".strip()
-        lines.append(f"| {m.name} | {f'jdp/{m.file}' if m.old else '—'} | {verdict} | {res['seconds']:.0f} s |")
+        tier = TIERS.get(res.get("tier"), "—")
+        if res.get("tier") == "full" and mode == "whole-quick":
+            tier = "full suite only"
+        lines.append(f"| {m.name} | {f'jdp/{m.file}' if m.old else '—'} | {tier} | {verdict} | {res['seconds']:.0f} s |")
     return "\n".join(lines)
+
+
+def summary(rows: list[tuple[Mutant, dict]], mode: str) -> str:
+    """How many mutants each tier caught, in words."""
+    caught = [res for m, res in rows if m.old and res["status"] == "caught"]
+    quick = sum(res["tier"] == "quick" for res in caught)
+    if mode == "selection":
+        return f"{len(caught)} caught by their selections (the quick tier not asked)"
+    where = "the whole quick tier" if mode == "whole-quick" else "the quick tier's tests in their selections' files"
+    return (f"{len(caught)} caught: {quick} by the quick tier, {len(caught) - quick} only by their selections "
+            f"(the full suite; {where} passed)")
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--jdp", default=os.path.join(ROOT, "jdp"), metavar="DIR", help="the package to mutate")
-    p.add_argument("--only", metavar="NAME", help="run this mutant only")
+    p.add_argument("--only", metavar="NAMES", help="run these mutants only (comma-separated)")
     p.add_argument("--list", action="store_true", help="list the mutants and exit")
     p.add_argument("--baseline", action="store_true", help="first run every selection unmutated (it must pass)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per mutant's pytest run")
-    p.add_argument("--quick", action="store_true", help="run the quick tier (pytest -m quick) for every mutant "
-                   "instead of its own selection: which breaks the quick tier catches")
+    tier = p.add_mutually_exclusive_group()
+    tier.add_argument("--selection", action="store_const", dest="mode", const="selection",
+                      help="run each mutant's own selection only (the fast path; no tier is reported)")
+    tier.add_argument("--whole-quick", action="store_const", dest="mode", const="whole-quick",
+                      help="where the quick tests of a mutant's files miss it, run the whole quick tier before "
+                           "its selection (minutes per such mutant): proves what only the full suite catches")
     a = p.parse_args(argv)
+    mode = a.mode or "quick"
     jdp_dir = os.path.abspath(a.jdp)
     if a.list:
         for m in MUTANTS:
             print(f"{m.name:32s} jdp/{m.file:14s} {' '.join(m.tests)}")
         return 0
-    chosen = [m for m in MUTANTS if a.only in (None, m.name)]
-    if a.quick:
-        chosen = [dataclasses.replace(m, tests=("tests", "-m", "quick")) for m in chosen]
-    if not chosen:
-        print(f"no mutant named {a.only!r}; see --list", file=sys.stderr)
+    names = None if a.only is None else a.only.split(",")
+    chosen = [m for m in MUTANTS if names is None or m.name in names]
+    unknown = sorted(set(names or ()) - {m.name for m in MUTANTS})
+    if not chosen or unknown:
+        print(f"no mutant named {', '.join(map(repr, unknown or [a.only]))}; see --list", file=sys.stderr)
         return 2
     stale = [(m, n) for m in chosen if (n := occurrences(m, jdp_dir)) != 1]
     for m, n in stale:
@@ -534,19 +659,22 @@ def main(argv=None) -> int:
     rows, t0 = [], time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="jdp-mutants-") as base:
         for m in ([baseline()] if a.baseline else []) + chosen:
-            res = run_mutant(m, jdp_dir, base, a.timeout)
+            res = run_mutant(m, jdp_dir, base, a.timeout, mode)
             rows.append((m, res))
-            print(f"{m.name}: {res['status']} {res['detail']} ({res['seconds']:.0f} s)", file=sys.stderr, flush=True)
+            print(f"{m.name}: {res['status']} {TIERS.get(res['tier'], '')} {res['detail']} ({res['seconds']:.0f} s)",
+                  file=sys.stderr, flush=True)
             if res["status"] == "error" and res.get("output"):
                 print(res["output"], file=sys.stderr)
     total = time.perf_counter() - t0
     bad = [m.name for m, res in rows if res["status"] not in ("caught", "passed")]
     mutants = sum(bool(m.old) for m, _ in rows)
-    report = (f"# Mutation check\n\n`python -m benchmarks.mutants{' --baseline' if a.baseline else ''}`: {mutants} "
-              f"mutants of {source_label(jdp_dir)}, {mutants - len(bad)} caught, in {total:.0f} s on "
-              f"{os.cpu_count()} CPU cores.\n\n{table(rows)}\n")
+    flags = "".join(f" {f}" for f, on in (("--baseline", a.baseline), ("--selection", mode == "selection"),
+                                            ("--whole-quick", mode == "whole-quick")) if on)
+    report = (f"# Mutation check\n\n`python -m benchmarks.mutants{flags}`: {mutants} mutants of "
+              f"{source_label(jdp_dir)}, {summary(rows, mode)}, in {total:.0f} s on {os.cpu_count()} CPU cores."
+              f"\n\n{table(rows, mode)}\n")
     print(report)
-    if a.only is None and not a.quick:
+    if a.only is None:
         os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
         with open(RESULTS, "w", encoding="utf-8") as f:
             f.write(report)

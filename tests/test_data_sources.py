@@ -260,6 +260,8 @@ def test_array_record_takes_your_decode_for_records_of_another_format(tmp_path):
                                               r"tokens"),
     (lambda p: write_tokens(p, [1, 2, 3, 4, 5, 6, 7, 8, 300, 1]), r"holds the token id 300 at position 8, not "
                                                                    r"below vocab_size=256"),
+    pytest.param(lambda p: write_tokens(p, [1, 2, 3, 4, 5, 6, 7, 8, 1, 300]), r"holds the token id 300 at position 9,",
+                 id="the last token, the last of a sampled block"),
 ])
 def test_bad_token_files_raise_one_sentence(tmp_path, make, message):
     path = tmp_path / "bad.bin"

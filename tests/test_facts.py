@@ -6,6 +6,7 @@ import pytest
 
 from jdp.config import HASH_EXCLUDED, config_hash, load_config, run_identity
 from jdp.data import ArrayDataset
+from jdp.run import distributed
 from jdp.run.checkpoint import CheckpointMismatchError, with_data_digest
 from jdp.run.facts import RunFacts
 from jdp.train import schedule_facts
@@ -31,6 +32,19 @@ def test_one_rule_says_which_steps_log_evaluate_and_checkpoint():
     assert [s for s in range(1, end + 1) if facts.evaluates_at(s, end)] == [10]
     assert [s for s in range(1, end + 1) if facts.checkpoints_at(s, end)] == [4, 8, 10]
     assert facts.stop_check_every(1) == 1 and facts.stop_check_every(2) == 5
+
+
+@pytest.mark.parametrize("flags", [(False, False, True), (False, True, False), (True, False, False),
+                                   (False, False, False)])
+def test_a_stop_asked_by_any_one_process_is_every_process_decision(monkeypatch, flags):
+    # Three processes' stop requests as the all-gather returns them (a real two-process SIGTERM is in
+    # tests/test_multiprocess.py): each process, whatever its own flag, decides what all of them do.
+    monkeypatch.setattr(distributed.jax, "process_count", lambda: len(flags))
+    for me, mine in enumerate(flags):
+        rows = np.array([[f] for f in flags], np.int32)
+        monkeypatch.setattr(distributed, "_gather", lambda values, rows=rows, me=me: (
+            np.testing.assert_array_equal(values, rows[me]), rows)[1])
+        assert distributed.any_process(mine) is any(flags)
 
 
 def test_the_data_joins_the_identity_and_the_agreed_sizes():

@@ -105,3 +105,15 @@ def test_restoring_another_optimizers_checkpoint_names_the_structure_and_keeps_i
     assert "holds an optimizer state of another structure (checkpoint: 0.count ()" in message
     assert "this step: no arrays" in message and "remove" not in message
     assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == files
+
+
+def test_a_nonfinite_model_state_is_never_saved(tmp_path):
+    # Finite params and optimizer state, NaN running statistics: no checkpoint is written.
+    from jdp.run.checkpoint import NonFiniteStateError
+
+    step = jdp.make_train_step(lambda params, stats, batch: (mlp_loss(params, batch), stats), optax.sgd(0.1),
+                               devices=jax.devices()[:2], has_state=True, sync_batchnorm=False)
+    state = step.init(mlp_params(), {"mean": np.array([0.0, np.nan], np.float32)})
+    with pytest.raises(NonFiniteStateError, match=r"first in model_state\['mean'\]\), so it was not checkpointed"):
+        jdp.save_state(str(tmp_path / "ckpt"), step, state)
+    assert not any(p.is_dir() and p.name.isdigit() for p in tmp_path.rglob("*"))

@@ -119,6 +119,22 @@ def test_damaged_data_position_is_refused(capsys, workdir):
     assert snapshot(workdir) == before
 
 
+def test_fallback_resumes_from_the_newest_intact_checkpoint(tmp_path):
+    # Checkpoints 1, 2 and 3 of the seed regression; 3 is damaged. The fallback skips it for 2, the
+    # newest intact one, not for 1.
+    quiet = dict(log=lambda *_: None, progress=False)
+    cfg = load_config(os.path.join(ROOT, "configs", "seed_linear.yaml"), ["train.steps=3", "train.checkpoint_every=1",
+                                                                          "train.keep_checkpoints=5"])
+    train(cfg, str(tmp_path / "w"), **quiet)
+    path = tmp_path / "w" / "checkpoints" / "3" / "meta" / "metadata"
+    meta = json.loads(path.read_text())
+    meta["data_state"]["step"] += 1
+    path.write_text(json.dumps(meta))
+    resumed = train(cfg, str(tmp_path / "w"), fallback_to_intact=True, **quiet)
+    assert (resumed.resumed_from, resumed.steps) == (2, 3)
+    assert os.listdir(tmp_path / "w" / "checkpoints.damaged") == ["3"]
+
+
 # 3. A non-finite state is never checkpointed, so rotation keeps the newest finite checkpoint.
 def test_nonfinite_state_is_never_checkpointed(capsys, tmp_path):
     # SGD at lr 1e12 on the seed regression: finite gradients, the weights grow ~1e13× a step and

@@ -29,3 +29,13 @@ def test_names_are_unique_and_selections_exist():
         for selection in m.tests:
             if selection.startswith("tests/"):  # a file or node id; "-k" and its expression pass through
                 assert (ROOT / selection.split("::")[0]).is_file(), (m.name, selection)
+
+
+def test_each_mutant_meets_the_quick_tier_first_then_its_selection():
+    from benchmarks.mutants import Mutant, stages
+
+    m = Mutant("m", "core/step.py", "a", "b", ("tests/test_zero.py", "-k", "sgd and not adam", "tests/test_fsdp.py::t"))
+    quick = ("quick", ("-m", "quick", "tests/test_zero.py", "tests/test_fsdp.py::t"))  # the -k dropped
+    assert stages(m, "quick") == [quick, ("full", m.tests)]
+    assert stages(m, "whole-quick") == [quick, ("quick", ("-m", "quick", "tests")), ("full", m.tests)]
+    assert stages(m, "selection") == [("full", m.tests)]

@@ -90,6 +90,16 @@ def test_evaluation_is_exact_with_a_ragged_last_batch():
     assert 0.0 < got["accuracy"] < 0.5  # an untrained model: far from the trained 0.98, not trivially 0
 
 
+def test_evaluation_leaves_the_padding_of_the_last_batch_out():
+    # 10 examples in batches of 8 on 4 devices: the last batch holds 2 real examples and 6 padded
+    # ones. Each example's value is x + 100, so a padded example counted in the sum (or the count)
+    # moves the mean far from the real one, 105.5.
+    mesh = make_mesh(jax.devices()[:4])
+    data = {"x": np.arange(1, 11, dtype=np.float32)}
+    step = make_eval_step(lambda offset, _, batch: {"v": batch["x"] + offset}, mesh)
+    assert evaluate(step, np.float32(100), (), data, 8, mesh) == {"v": 105.5}
+
+
 def test_consecutive_nonfinite_updates_stop_training(tmp_path, monkeypatch):
     import jdp.run.train as train_module
 

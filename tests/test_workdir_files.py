@@ -7,7 +7,7 @@ import pytest
 from jdp.config import load_config
 from jdp.run.metrics import plot_metrics
 from jdp.train import train
-from jdp.run.workfiles import DELETING, SymlinkRefusedError
+from jdp.run.workfiles import DELETING, SymlinkRefusedError, is_jdp_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRECIOUS = b"someone else's data\n"
@@ -104,6 +104,21 @@ def test_rotation_deletes_only_checkpoints_jdp_provably_wrote(tmp_path):
     quiet_train(seed_config("train.steps=4", "train.checkpoint_every=1", "train.keep_checkpoints=1"), work)
     assert sorted(os.listdir(ckpt)) == ["1", "4"]
     assert (ckpt / "1" / "notes.txt").read_bytes() == PRECIOUS
+
+
+@pytest.mark.parametrize("linked", [None, "_CHECKPOINT_METADATA", "meta", "meta/metadata"])
+def test_a_checkpoint_is_proven_jdps_only_without_following_a_link(tmp_path, linked):
+    # orbax's commit record and jdp's metadata, as a save leaves them; one of them (or the meta
+    # directory) moved outside and linked back in proves nothing, and the directory is spared.
+    ckpt, outside = tmp_path / "checkpoints" / "3", tmp_path / "outside"
+    (ckpt / "meta").mkdir(parents=True)
+    (ckpt / "_CHECKPOINT_METADATA").write_text('{"commit_timestamp_nsecs": 1}')
+    (ckpt / "meta" / "metadata").write_text('{"checksums": {}, "run": {}}')
+    if linked:
+        outside.mkdir()
+        os.rename(ckpt / linked, outside / "moved")
+        os.symlink(outside / "moved", ckpt / linked)
+    assert is_jdp_checkpoint(str(ckpt)) is (linked is None)
 
 
 def test_the_default_plot_is_not_written_through_a_symlink(tmp_path, victim_file):

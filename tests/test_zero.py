@@ -194,6 +194,20 @@ def test_padding_never_decides_a_skip():
     assert_close(jdp.get_params(sharded), jdp.get_params(replicated))
 
 
+def test_the_padding_mask_keeps_every_real_slot_and_no_padding_slot():
+    # What the non-finite check sees of a sharded leaf: 5 elements cut for 4 devices (2 each, slots
+    # 5..7 padding). One slot too many lets padding decide a skip; one too few hides a real NaN.
+    from jax.sharding import PartitionSpec as P
+
+    from jdp.core.mesh import make_mesh
+    from jdp.core.zero import Slices
+
+    slices = Slices({"b": np.zeros(5, np.float32)}, 4)
+    real = jax.jit(jax.shard_map(lambda x: slices.real(x, slices.chunks[0], slices.leaves[0]),
+                                 mesh=make_mesh(jax.devices()[:4]), in_specs=P("data"), out_specs=P("data")))
+    assert real(jnp.ones(8)).tolist() == [1, 1, 1, 1, 1, 0, 0, 0]
+
+
 def test_config_key_and_its_refusal():
     from jdp.config import load_config
     from jdp.run.sections import ConfigError
