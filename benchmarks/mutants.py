@@ -429,8 +429,8 @@ MUTANTS = [
            ("tests/test_faults_run.py::test_the_failed_saves_other_write_tasks_print_nothing_at_exit",)),
     # Twelve one-line bugs of kinds the quick tier once missed (issue 33); each now has a quick test.
     Mutant("eval_sums_ignore_the_mask", "core/evaluate.py",
-           "sums = {k: jnp.sum(v.astype(jnp.float32) * mask) for k, v in values.items()}",
-           "sums = {k: jnp.sum(v.astype(jnp.float32)) for k, v in values.items()}",  # padding counted in the metric
+           "    return jnp.sum(value.astype(jnp.float32) * mask)",
+           "    return jnp.sum(value.astype(jnp.float32))",  # padding counted in the metric
            ("tests/test_train.py::test_evaluation_leaves_the_padding_of_the_last_batch_out",)),
     Mutant("last_model_state_not_averaged", "core/algorithm.py",
            "model_state=mean_over_devices(model_state, layout.axis) if jax.tree.leaves(model_state) else model_state",
