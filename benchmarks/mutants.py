@@ -386,6 +386,26 @@ MUTANTS = [
            "logging.getLogger(\"asyncio\").addFilter(",
            "(lambda f: None)(",  # asyncio's tracebacks of the failed save's other writes print again
            ("tests/test_faults_run.py::test_the_failed_saves_other_write_tasks_print_nothing_at_exit",)),
+    Mutant("distribution_named_jdp", "extras.py",
+           'DISTRIBUTION = "jdp-train"',
+           'DISTRIBUTION = "jdp"',  # a wheel's hint would install the index's other project named jdp
+           ("tests/test_papercuts.py::test_an_installed_wheel_names_the_distribution_on_the_index",)),
+    Mutant("import_jdp_imports_jax", "cpu.py",
+           "from jdp.text import quoted  # jax is imported where it is used",
+           "import jax  # noqa\nfrom jdp.text import quoted  #",  # jdp --version costs jax's import again
+           ("tests/test_cli_edges.py::test_the_command_and_import_jdp_do_not_import_jax",)),
+    Mutant("ctrl_c_left_to_keyboardinterrupt", "run/cli.py",
+           "previous = signal.signal(signal.SIGINT, _interrupted)",
+           "previous = None",  # swallowed in jax's gc callback ("Exception ignored"), the run goes on
+           ("tests/test_cli_edges.py::test_ctrl_c_at_start_up_prints_one_line_and_exits_130",)),
+    Mutant("closed_pipe_traceback", "run/cli.py",
+           "    except BrokenPipeError:\n        _quiet_closed_stdout()\n        return CLOSED_PIPE\n",
+           "",  # `jdp config schema | head -1` ends in a BrokenPipeError traceback
+           ("tests/test_cli_edges.py::test_a_closed_pipe_ends_quietly",)),
+    Mutant("ctrl_c_in_training_exits_0", "run/cli.py",
+           'return INTERRUPTED if result.stopped_by == "SIGINT" else 0',
+           "return 0",  # a Ctrl-C'd run would read as finished to a shell or a script
+           ("tests/test_multiprocess.py::test_sigint_on_a_single_process_run_checkpoints_and_exits_130",)),
 ]
 
 

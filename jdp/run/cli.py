@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import os
 import sys
@@ -213,7 +214,7 @@ def cmd_train(args) -> int:
               f"some space and rerun the same command to resume.", file=sys.stderr)
         return 1
     _print_result(result, config, workdir)
-    return 0
+    return INTERRUPTED if result.stopped_by == "SIGINT" else 0  # Ctrl-C: checkpointed, yet interrupted
 
 
 def _train_config_and_devices(args) -> tuple:
@@ -392,7 +393,58 @@ def supervise(argv: list[str], process_id, heartbeat_s: int = 10) -> int:
     return code
 
 
+INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped with Ctrl-C
+CLOSED_PIPE = 141  # 128 + SIGPIPE, as a command killed by writing to a closed pipe
+
+
 def main(argv: list[str] | None = None) -> int:
+    """`jdp ARGS`: the exit code. Ctrl-C ends with one line and 130 (in `jdp train`, after the
+    step it stops at is checkpointed); a reader that closes the pipe (`| head`) ends it quietly."""
+    import signal
+
+    try:
+        previous = signal.signal(signal.SIGINT, _interrupted)
+    except ValueError:  # not the main thread: leave signals alone
+        previous = None
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # a Ctrl-C in a caller's own handler (main() called in-process)
+        print(_INTERRUPTED_LINE, file=sys.stderr)
+        return INTERRUPTED
+    except BrokenPipeError:
+        _quiet_closed_stdout()
+        return CLOSED_PIPE
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+
+
+_INTERRUPTED_LINE = "jdp: interrupted (Ctrl-C); a run's checkpoints already saved are intact."
+
+
+def _interrupted(signum, frame) -> None:
+    """Ctrl-C outside a run's training loop (which stops at a step, with a checkpoint: jdp.run.train's
+    StopSignals): one line and exit 130 at once. A KeyboardInterrupt would not do: raised in whatever
+    Python code runs next, which after a long call into XLA is often jax's garbage-collection
+    callback, where Python prints it as "Exception ignored" and carries on. Nothing is being saved
+    then: every checkpoint and metrics write happens inside the loop's handler."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    with contextlib.suppress(OSError):
+        os.write(2, (_INTERRUPTED_LINE + "\n").encode())
+    os._exit(INTERRUPTED)
+
+
+def _quiet_closed_stdout() -> None:
+    """Point stdout at /dev/null: the interpreter's last flush would fail on the closed pipe again
+    and print "Exception ignored ... BrokenPipeError"."""
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+
+
+def _main(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     distributed = args.command == "train" and (args.coordinator is not None or args.auto_distributed)

@@ -40,6 +40,7 @@ class TrainResult:
     # complete (then of the restored state); {} without a held-out set or when stopped before any
     seconds: float  # wall time of this run's loop, compilation included
     params: object  # host numpy params
+    stopped_by: str | None = None  # the signal that stopped it early ("SIGINT", "SIGTERM"), if one did
 
 
 class NonFiniteError(RuntimeError):
@@ -144,7 +145,7 @@ def train(config: Config, workdir: str, *, devices=None, log=print, progress: bo
         t0 = time.perf_counter()
         state, end = loop.run(state, start, end)
     return TrainResult(end, resumed_from, loop.preempted, loop.final_loss, loop.eval_metrics,
-                       time.perf_counter() - t0, get_params(state))
+                       time.perf_counter() - t0, get_params(state), signals.requested if loop.preempted else None)
 
 
 @dataclass(frozen=True)
