@@ -30,7 +30,11 @@ _LAZY = {"DATA_AXIS": "jdp.core.mesh", "make_mesh": "jdp.core.mesh", "OptimizerS
          "check_replicas": "jdp.inspect.replicas", "replica_mismatches": "jdp.inspect.replicas",
          "restore_state": "jdp.run.checkpoint", "save_state": "jdp.run.checkpoint", "data": None, "linen": None,
          "models": None, "nnx": None, "zero": None, "fsdp": None, "step": None, "train": None, "config": None,
-         "testing": None}
+         "testing": None,
+         # The implementation's groups, reachable as attributes as when `import jdp` imported them all.
+         "core": None, "bridges": None, "inspect": None, "run": None, "extras": None, "text": None}
+# What `import jdp` used to import: a group reached as an attribute (`jdp.inspect.comm`) holds them.
+_SURFACE = ("jdp.core.step", "jdp.core.optim", "jdp.inspect.comm", "jdp.inspect.memory", "jdp.inspect.replicas")
 
 
 def __getattr__(name: str):
@@ -38,6 +42,8 @@ def __getattr__(name: str):
         raise AttributeError(f"module 'jdp' has no attribute {name!r}")
     import importlib
 
+    for surface in _SURFACE if name in ("core", "inspect") else ():
+        importlib.import_module(surface)
     module = importlib.import_module(_LAZY[name] or f"jdp.{name}")
     value = module if _LAZY[name] is None else getattr(module, name)
     globals()[name] = value  # later look-ups skip this function

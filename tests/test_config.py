@@ -20,7 +20,7 @@ from jdp.data import load_seed_regression
 from jdp.core.optim import for_reduction
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SHIPPED = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
+SHIPPED = sorted(glob.glob(os.path.join(ROOT, "jdp", "configs", "*.yaml")))
 
 
 def exactly(message: str) -> str:
@@ -43,9 +43,9 @@ def test_every_expected_config_is_shipped():
 @pytest.mark.parametrize("path", SHIPPED, ids=os.path.basename)
 def test_shipped_config_loads_validates_and_has_its_header(path, tmp_path, monkeypatch):
     with open(path) as f:
-        if "name: tokens" in f.read():  # its token files are written by the example its header names first
+        if "name: tokens" in f.read():  # its token files are written by the command its header names first
             monkeypatch.chdir(tmp_path)
-            subprocess.run([sys.executable, os.path.join(ROOT, "examples", "prepare_tokens.py"), "--out",
+            subprocess.run([sys.executable, "-m", "jdp.run.cli", "data", "prepare-tokens", "python-reference",
                             "runs/pyref_tokens"], check=True, capture_output=True, timeout=120)
     cfg = load_config(path)
     assert validate(cfg, cfg.parallel.devices or 4) is cfg
@@ -55,7 +55,7 @@ def test_shipped_config_loads_validates_and_has_its_header(path, tmp_path, monke
     header = lines[:next(i for i, line in enumerate(lines) if not line.startswith("#"))]
     name = os.path.splitext(os.path.basename(path))[0]
     assert len(header) >= 3, "a header says what it trains, the command and the expected result"
-    assert f"# Run: jdp train configs/{name}.yaml --workdir runs/{name}" in header
+    assert f"# Run: jdp train {name} --workdir runs/{name}" in header
     assert sum(line.startswith("# Expected result: ") for line in header) == 1
 
 

@@ -91,7 +91,7 @@ def test_config_reference_names_every_field_with_its_rule():
                               ("reference/cli.md", ref.CLI_MARKER)):
         with open(os.path.join(DOCS, page_name), encoding="utf-8") as f:
             assert marker in f.read(), (page_name, marker)
-    assert "configs/char_gpt.yaml" in ref.shipped_configs() and "--workdir" in ref.cli_reference()
+    assert "### `char_gpt`" in ref.shipped_configs() and "--workdir" in ref.cli_reference()
 
 
 def test_docstrings_become_restructured_text_that_says_the_same():

@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plot_parser(sub)
     _add_explain_parser(sub)
     _add_config_parser(sub)
+    _add_configs_parser(sub)
+    _add_data_parser(sub)
     return parser
 
 
@@ -48,10 +50,12 @@ def _add_train_parser(sub) -> None:
     """`jdp train`: a config on N devices, resumable, with the multi-process options in their own group."""
     train = sub.add_parser(
         "train", help="train a config (default: an MLP on scikit-learn's digits)",
-        description="Train CONFIG (a YAML file from configs/, default: an MLP on scikit-learn's bundled digits) "
+        description="Train CONFIG (a shipped config's name, e.g. char_gpt: `jdp configs` lists them; or a YAML file; "
+        "default: an MLP on scikit-learn's bundled digits) "
         "with data parallelism over N devices; on a CPU-only machine, N fake CPU devices. Writes metrics.jsonl and "
         "orbax checkpoints to --workdir; running the same command again resumes from the newest checkpoint.")
-    train.add_argument("config", nargs="?", help="YAML config (default: the built-in digits MLP)")
+    train.add_argument("config", nargs="?", help="a shipped config's name (jdp configs) or a YAML file (default: the "
+                       "built-in digits MLP)")
     train.add_argument("--workdir", help="run directory (default: runs/<config name>)")
     train.add_argument("--devices", type=_positive_int, help="number of devices; on a CPU-only machine, fake CPU "
                        "devices (default: the config's parallel.devices, else 4 on CPU, all accelerators otherwise)")
@@ -124,6 +128,44 @@ def _add_config_parser(sub) -> None:
                     "type, default, allowed values and description; unknown keys are refused. Save it "
                     "(jdp config schema > jdp.schema.json) and point your editor at it, e.g. a first line "
                     "'# yaml-language-server: $schema=jdp.schema.json' in a config.")
+
+
+def _add_configs_parser(sub) -> None:
+    sub.add_parser("configs", help="list the shipped configs, each with the result it should reach",
+                   description="List the configs that ship with jdp (jdp train NAME trains one): what each trains, "
+                   "the command that runs it and the result it reached when it was measured.")
+
+
+def _add_data_parser(sub) -> None:
+    """`jdp data prepare-tokens` (jdp.data.prepare, imported only when it runs: --help stays instant)."""
+    data = sub.add_parser("data", help="prepare data files for jdp train", description="Tools for jdp's data files.")
+    what = data.add_subparsers(dest="data_command", required=True, metavar="SUBCOMMAND")
+    tokens = what.add_parser(
+        "prepare-tokens", help="byte-level token files (train.bin, val.bin) from a text",
+        description="Write OUTPUT/train.bin and OUTPUT/val.bin, the format data.name tokens reads (nanoGPT's): "
+        "the UTF-8 bytes of the text as token ids (vocab_size 256), each a little-endian unsigned integer of --dtype, "
+        "no header. val.bin holds the last --val-fraction of the characters. Token files already in OUTPUT are "
+        "never overwritten.")
+    tokens.add_argument("input", metavar="INPUT", help="a UTF-8 text file, or python-reference for the Python "
+                        "Language Reference text that ships with Python (jdp.data.load_char_corpus's text)")
+    tokens.add_argument("output", metavar="OUTPUT", help="the folder to write train.bin and val.bin into")
+    tokens.add_argument("--dtype", default="uint16", help="the token files' integer type: uint16 (default) or uint32")
+    tokens.add_argument("--val-fraction", type=float, default=0.1, help="the held-out share of characters (0.1)")
+
+
+def cmd_configs(args) -> int:
+    from jdp.run.shipped import format_configs, shipped_configs
+
+    print(format_configs(shipped_configs()), end="")
+    return 0
+
+
+def cmd_data(args) -> int:
+    from jdp.data.prepare import prepare_from
+
+    # data_command is "prepare-tokens", the only one
+    print(prepare_from(args.input, args.output, val_fraction=args.val_fraction, dtype=args.dtype))
+    return 0
 
 
 def _devices(requested: int | None):
@@ -221,12 +263,13 @@ def _train_config_and_devices(args) -> tuple:
     """`jdp train`'s config (file, --set and the flags) and devices: this process's own, or every
     process's once jax.distributed is initialised (--coordinator, --auto-distributed)."""
     from jdp.run.config import load_config
+    from jdp.run.shipped import resolve_config
 
     distributed = args.coordinator is not None or args.auto_distributed
     flags = {"parallel.devices": None if distributed else args.devices, "train.steps": args.steps,
              "train.log_every": args.log_every, "train.checkpoint_every": args.checkpoint_every}
     overrides = [*args.set, *(f"{k}={v}" for k, v in flags.items() if v is not None)]
-    config = load_config(args.config, overrides)  # fails on a bad config before any device is set up
+    config = load_config(resolve_config(args.config), overrides)  # a bad config fails before any device is set up
     if not distributed:
         if args.num_processes or args.process_id is not None:
             raise ValueError("--num-processes and --process-id need --coordinator HOST:PORT.")
@@ -451,7 +494,8 @@ def _main(argv: list[str] | None) -> int:
     if distributed and not os.environ.get(_SUPERVISED):
         return supervise(argv, args.process_id, args.heartbeat_timeout)
     try:
-        return {"train": cmd_train, "explain": cmd_explain, "plot": cmd_plot, "config": cmd_config}[args.command](args)
+        return {"train": cmd_train, "explain": cmd_explain, "plot": cmd_plot, "config": cmd_config,
+                "configs": cmd_configs, "data": cmd_data}[args.command](args)
     except ValueError as e:  # bad input: one sentence, exit code 2, no traceback
         print(f"jdp: error: {e}", file=sys.stderr)
         return 2
