@@ -406,6 +406,30 @@ MUTANTS = [
            'return INTERRUPTED if result.stopped_by == "SIGINT" else 0',
            "return 0",  # a Ctrl-C'd run would read as finished to a shell or a script
            ("tests/test_multiprocess.py::test_sigint_on_a_single_process_run_checkpoints_and_exits_130",)),
+    Mutant("shipped_config_not_found_by_name", "run/shipped.py",
+           'return os.path.join(CONFIG_DIR, name + ".yaml")',
+           "return arg",  # `jdp train char_gpt` outside a checkout: no such file
+           ("tests/test_shipped.py::test_a_config_is_found_by_name_and_a_file_of_that_path_wins",)),
+    Mutant("prepare_tokens_overwrites", "data/prepare.py",
+           "    if existing:\n",
+           "    if False:\n",  # a second prepare-tokens would replace the token files a run trains on
+           ("tests/test_shipped.py::test_prepare_tokens_writes_the_reference_text_as_byte_tokens_and_never_overwrites",)),
+    Mutant("compile_time_in_samples_per_s", "run/train.py",
+           "seconds, self.step, self.time = now - self.time, self.step + 1, now",
+           "seconds = now - self.time",  # the first interval's rate counts compilation again
+           ("tests/test_observe.py::test_the_first_step_is_timed_once_and_left_out_of_samples_per_s",)),
+    Mutant("step_lines_hidden_under_the_bar", "run/metrics.py",
+           "            self.log(f\"step {s:6d}  loss ",
+           "            self._progress or self.log(f\"step {s:6d}  loss ",  # the bar hides every step line
+           ("tests/test_observe.py::test_the_progress_bar_shows_below_the_step_lines_and_goes_when_the_run_ends",)),
+    Mutant("profile_misses_the_last_step", "run/profile.py",
+           "if self.tracing and s == self.steps[1]:",
+           "if self.tracing and s == self.steps[1] - 1:",  # the trace stops before the last step asked for
+           ("tests/test_observe.py::test_profile_steps_writes_a_trace_of_those_steps_into_the_workdir",)),
+    Mutant("wandb_gets_no_records", "run/metrics.py",
+           "            self._tracker.write(record)\n",
+           "            pass\n",
+           ("tests/test_observe.py::test_a_wandb_offline_run_holds_the_config_every_record_and_the_runs_identity",)),
 ]
 
 

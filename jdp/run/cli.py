@@ -71,6 +71,10 @@ def _add_train_parser(sub) -> None:
     train.add_argument("--no-progress", action="store_true", help="log lines instead of a progress bar")
     train.add_argument("--tensorboard", action="store_true",
                        help="also write the logged scalars to DIR/tensorboard (needs tensorboardX)")
+    train.add_argument("--wandb", action="store_true", help="also log the config and every record to a Weights & "
+                       "Biases run in offline mode, in DIR/wandb (no server; `wandb sync` uploads it; needs wandb)")
+    train.add_argument("--profile-steps", metavar="FIRST:LAST", help="write a jax.profiler trace of optimizer steps "
+                       "FIRST..LAST into DIR/profile (train.profile_steps), for TensorBoard's profile plugin or Perfetto")
     train.add_argument("--fallback-to-intact", action="store_true",
                        help="if the newest checkpoint is damaged, resume from the newest intact one and move the "
                        "damaged ones to DIR/checkpoints.damaged (default: refuse)")
@@ -139,7 +143,7 @@ def _add_configs_parser(sub) -> None:
 def _add_data_parser(sub) -> None:
     """`jdp data prepare-tokens` (jdp.data.prepare, imported only when it runs: --help stays instant)."""
     data = sub.add_parser("data", help="prepare data files for jdp train", description="Tools for jdp's data files.")
-    what = data.add_subparsers(dest="data_command", required=True, metavar="SUBCOMMAND")
+    what = data.add_subparsers(dest="data_command", required=True, metavar="SUBCOMMAND", help="what to prepare")
     tokens = what.add_parser(
         "prepare-tokens", help="byte-level token files (train.bin, val.bin) from a text",
         description="Write OUTPUT/train.bin and OUTPUT/val.bin, the format data.name tokens reads (nanoGPT's): "
@@ -235,7 +239,8 @@ def cmd_train(args) -> int:
     workdir = os.path.join("runs", name) if args.workdir is None else args.workdir
     try:
         result = train(config, workdir, devices=devices, progress=not args.no_progress, stop_after=args.stop_after,
-                       tensorboard=args.tensorboard, fallback_to_intact=args.fallback_to_intact, allow_cpu=allow_cpu)
+                       tensorboard=args.tensorboard, fallback_to_intact=args.fallback_to_intact, allow_cpu=allow_cpu,
+                       wandb=args.wandb)
     except (NonFiniteError, NonFiniteStateError) as e:
         print(f"jdp: {e}", file=sys.stderr)
         return 1
@@ -267,7 +272,8 @@ def _train_config_and_devices(args) -> tuple:
 
     distributed = args.coordinator is not None or args.auto_distributed
     flags = {"parallel.devices": None if distributed else args.devices, "train.steps": args.steps,
-             "train.log_every": args.log_every, "train.checkpoint_every": args.checkpoint_every}
+             "train.log_every": args.log_every, "train.checkpoint_every": args.checkpoint_every,
+             "train.profile_steps": None if args.profile_steps is None else repr(args.profile_steps)}
     overrides = [*args.set, *(f"{k}={v}" for k, v in flags.items() if v is not None)]
     config = load_config(resolve_config(args.config), overrides)  # a bad config fails before any device is set up
     if not distributed:
