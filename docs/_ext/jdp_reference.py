@@ -213,7 +213,23 @@ def plain_text_docstring(app, what, name, obj, options, lines):
         lines[:] = GoogleDocstring(lines, config, app, what, name, obj, options).lines()
 
 
+def constructor_signature(app, what, name, obj, options, signature, return_annotation):
+    """A class's real constructor arguments where its metaclass hides them: Flax NNX modules are built
+    through the metaclass's `__call__(*args, **kwargs)`, which autodoc would show for GPT, MLP and CNN."""
+    import inspect
+
+    if what != "class" or not signature or "*args" not in signature or "__init__" not in vars(obj):
+        return None
+    try:
+        init = inspect.signature(obj.__init__, eval_str=True)  # the modules' string annotations as types
+    except NameError:
+        init = inspect.signature(obj.__init__)
+    params = list(init.parameters.values())[1:]  # without self
+    return str(init.replace(parameters=params, return_annotation=inspect.Signature.empty)), return_annotation
+
+
 def setup(app):
     app.connect("source-read", _fill_markers)
+    app.connect("autodoc-process-signature", constructor_signature)
     app.connect("autodoc-process-docstring", plain_text_docstring, priority=400)
     return {"version": "1", "parallel_read_safe": True, "parallel_write_safe": True}

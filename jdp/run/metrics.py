@@ -81,12 +81,15 @@ class MetricsWriter:
 
     def __init__(self, workdir: str, *, total: int, start: int, log=print, progress: bool = True,
                  tensorboard: bool = False, active: bool = True, tracker=None):
+        from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
         self._log, self._progress = (log if active else None), progress
+        # A bar only on a terminal: into a pipe or a file rich would end with the bar's last frame (or an
+        # empty line). Transient: a finished run leaves its lines, not a bar.
+        shown = progress and active and Console().is_terminal
         self._bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                             TextColumn("{task.description}"), TimeRemainingColumn(), disable=not (progress and active),
-                             transient=True)  # a finished run leaves its lines, not a bar
+                             TextColumn("{task.description}"), TimeRemainingColumn(), disable=not shown, transient=True)
         self._task = self._bar.add_task("", total=total, completed=start)
         # TensorBoard first: a missing tensorboardX stops the run before metrics.jsonl is opened.
         self._board = TensorBoard(workdir) if tensorboard and active else None
