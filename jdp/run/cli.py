@@ -110,8 +110,9 @@ def _add_explain_parser(sub) -> None:
     explain = sub.add_parser("explain", help="show, with numbers, why jdp averages gradients instead of summing",
                              description="Run jdp's step on 8 fake CPU devices and print: the seed examples "
                              "(mean vs sum), the deviation of every optimizer x clipping x reduction x N from one "
-                             "device, bf16 gradient communication, Adam's ε, clipping rates and fp16 overflow. About "
-                             "a minute on a 2-core CPU (it compiles ~120 steps); each part, and each run within it, "
+                             "device, bf16 gradient communication, Adam's ε, clipping rates and fp16 overflow. It compiles "
+                             "~120 steps: 434-466 s measured on a 2-core CPU shared with other work (load average 7-8), "
+                             "less on an idle one; it says so when it starts, and each part, and each run within it, "
                              "is reported on stderr as it starts.")
     explain.add_argument("--json", action="store_true",
                          help="print the results as JSON on stdout instead (progress goes to stderr)")
@@ -336,12 +337,14 @@ def cmd_explain(args) -> int:
     import json
 
     from jdp.cpu import backends_started, use_cpu_devices
-    from jdp.inspect.explain import EXPLAIN_DEVICES, explain, plot, progress_to, render
+    from jdp.inspect.explain import EXPLAIN_DEVICES, MEASURED_TIME, PARTS, explain, plot, progress_to, render
 
     if args.plot and not args.plot.lower().endswith(".png"):
         raise ValueError(f"--plot {args.plot!r} must name a .png file.")
     if not backends_started():
         use_cpu_devices(max(EXPLAIN_DEVICES, *args.devices))
+    print(f"jdp explain: {len(PARTS)} parts, ~120 steps to compile on {max(EXPLAIN_DEVICES, *args.devices)} fake CPU "
+          f"devices; {MEASURED_TIME}", file=sys.stderr, flush=True)
     with progress_to(sys.stderr) as progress:  # stderr: with --json, stdout is the JSON document alone
         results = explain(args.devices, backend=args.backend, progress=progress)
     if args.json:
