@@ -394,11 +394,11 @@ MUTANTS = [
            "from jdp.text import quoted  # jax is imported where it is used",
            "import jax  # noqa\nfrom jdp.text import quoted  #",  # jdp --version costs jax's import again
            ("tests/test_cli_edges.py::test_the_command_and_import_jdp_do_not_import_jax",)),
-    Mutant("ctrl_c_left_to_keyboardinterrupt", "run/cli.py",
+    Mutant("ctrl_c_left_to_keyboardinterrupt", "run/exits.py",
            "previous = signal.signal(signal.SIGINT, _interrupted)",
            "previous = None",  # swallowed in jax's gc callback ("Exception ignored"), the run goes on
            ("tests/test_cli_edges.py::test_ctrl_c_at_start_up_prints_one_line_and_exits_130",)),
-    Mutant("closed_pipe_traceback", "run/cli.py",
+    Mutant("closed_pipe_traceback", "run/exits.py",
            "    except BrokenPipeError:\n        _quiet_closed_stdout()\n        return CLOSED_PIPE\n",
            "",  # `jdp config schema | head -1` ends in a BrokenPipeError traceback
            ("tests/test_cli_edges.py::test_a_closed_pipe_ends_quietly",)),

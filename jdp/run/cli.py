@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import errno
 import os
 import sys
 
 from jdp import __version__
+from jdp.run.commands import add_configs_parser, add_data_parser, cmd_configs, cmd_data
+from jdp.run.exits import INTERRUPTED, run_quietly
 
 
 def _positive_int(text: str) -> int:
@@ -41,8 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plot_parser(sub)
     _add_explain_parser(sub)
     _add_config_parser(sub)
-    _add_configs_parser(sub)
-    _add_data_parser(sub)
+    add_configs_parser(sub)
+    add_data_parser(sub)
     return parser
 
 
@@ -133,44 +134,6 @@ def _add_config_parser(sub) -> None:
                     "type, default, allowed values and description; unknown keys are refused. Save it "
                     "(jdp config schema > jdp.schema.json) and point your editor at it, e.g. a first line "
                     "'# yaml-language-server: $schema=jdp.schema.json' in a config.")
-
-
-def _add_configs_parser(sub) -> None:
-    sub.add_parser("configs", help="list the shipped configs, each with the result it should reach",
-                   description="List the configs that ship with jdp (jdp train NAME trains one): what each trains, "
-                   "the command that runs it and the result it reached when it was measured.")
-
-
-def _add_data_parser(sub) -> None:
-    """`jdp data prepare-tokens` (jdp.data.prepare, imported only when it runs: --help stays instant)."""
-    data = sub.add_parser("data", help="prepare data files for jdp train", description="Tools for jdp's data files.")
-    what = data.add_subparsers(dest="data_command", required=True, metavar="SUBCOMMAND", help="what to prepare")
-    tokens = what.add_parser(
-        "prepare-tokens", help="byte-level token files (train.bin, val.bin) from a text",
-        description="Write OUTPUT/train.bin and OUTPUT/val.bin, the format data.name tokens reads (nanoGPT's): "
-        "the UTF-8 bytes of the text as token ids (vocab_size 256), each a little-endian unsigned integer of --dtype, "
-        "no header. val.bin holds the last --val-fraction of the characters. Token files already in OUTPUT are "
-        "never overwritten.")
-    tokens.add_argument("input", metavar="INPUT", help="a UTF-8 text file, or python-reference for the Python "
-                        "Language Reference text that ships with Python (jdp.data.load_char_corpus's text)")
-    tokens.add_argument("output", metavar="OUTPUT", help="the folder to write train.bin and val.bin into")
-    tokens.add_argument("--dtype", default="uint16", help="the token files' integer type: uint16 (default) or uint32")
-    tokens.add_argument("--val-fraction", type=float, default=0.1, help="the held-out share of characters (0.1)")
-
-
-def cmd_configs(args) -> int:
-    from jdp.run.shipped import format_configs, shipped_configs
-
-    print(format_configs(shipped_configs()), end="")
-    return 0
-
-
-def cmd_data(args) -> int:
-    from jdp.data.prepare import prepare_from
-
-    # data_command is "prepare-tokens", the only one
-    print(prepare_from(args.input, args.output, val_fraction=args.val_fraction, dtype=args.dtype))
-    return 0
 
 
 def _devices(requested: int | None):
@@ -439,61 +402,17 @@ def supervise(argv: list[str], process_id, heartbeat_s: int = 10) -> int:
         signal.signal(sig, forward)
     code = child.wait()
     relay.join(timeout=5)
-    if code < 0 or code > 2:
+    if code < 0 or code > 2 and code != INTERRUPTED:  # 130: Ctrl-C, reported by the training process
         print(f"jdp: error: {abnormal_end(process_id, code, ''.join(tail), heartbeat_s)}", file=sys.stderr)
         return 1
     return code
 
 
-INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped with Ctrl-C
-CLOSED_PIPE = 141  # 128 + SIGPIPE, as a command killed by writing to a closed pipe
-
-
 def main(argv: list[str] | None = None) -> int:
     """`jdp ARGS`: the exit code. Ctrl-C ends with one line and 130 (in `jdp train`, after the
-    step it stops at is checkpointed); a reader that closes the pipe (`| head`) ends it quietly."""
-    import signal
-
-    try:
-        previous = signal.signal(signal.SIGINT, _interrupted)
-    except ValueError:  # not the main thread: leave signals alone
-        previous = None
-    try:
-        return _main(argv)
-    except KeyboardInterrupt:  # a Ctrl-C in a caller's own handler (main() called in-process)
-        print(_INTERRUPTED_LINE, file=sys.stderr)
-        return INTERRUPTED
-    except BrokenPipeError:
-        _quiet_closed_stdout()
-        return CLOSED_PIPE
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGINT, previous)
-
-
-_INTERRUPTED_LINE = "jdp: interrupted (Ctrl-C); a run's checkpoints already saved are intact."
-
-
-def _interrupted(signum, frame) -> None:
-    """Ctrl-C outside a run's training loop (which stops at a step, with a checkpoint: jdp.run.train's
-    StopSignals): one line and exit 130 at once. A KeyboardInterrupt would not do: raised in whatever
-    Python code runs next, which after a long call into XLA is often jax's garbage-collection
-    callback, where Python prints it as "Exception ignored" and carries on. Nothing is being saved
-    then: every checkpoint and metrics write happens inside the loop's handler."""
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    with contextlib.suppress(OSError):
-        os.write(2, (_INTERRUPTED_LINE + "\n").encode())
-    os._exit(INTERRUPTED)
-
-
-def _quiet_closed_stdout() -> None:
-    """Point stdout at /dev/null: the interpreter's last flush would fail on the closed pipe again
-    and print "Exception ignored ... BrokenPipeError"."""
-    with contextlib.suppress(OSError, ValueError):
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+    step it stops at is checkpointed); a reader that closes the pipe (`| head`) ends it quietly
+    (`jdp.run.exits`)."""
+    return run_quietly(_main, argv)
 
 
 def _main(argv: list[str] | None) -> int:
