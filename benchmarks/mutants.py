@@ -439,6 +439,9 @@ def occurrences(mutant: Mutant, jdp_dir: str) -> int:
 
 
 def _copy_tree(src: str, dst: str) -> None:
+    if os.path.islink(src):  # configs/ links to jdp/configs/: the copy links to its own copy
+        os.symlink(os.readlink(src), dst)
+        return
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "results", "runs", "_build"))
 
 
