@@ -476,6 +476,50 @@ MUTANTS = [
            'for name in ("params", "opt_state", "model_state"):',
            'for name in ("params", "opt_state"):',  # NaN BatchNorm statistics are checkpointed
            ("tests/test_faults_api.py::test_a_nonfinite_model_state_is_never_saved",)),
+    Mutant("distribution_named_jdp", "extras.py",
+           'DISTRIBUTION = "jdp-train"',
+           'DISTRIBUTION = "jdp"',  # a wheel's hint would install the index's other project named jdp
+           ("tests/test_papercuts.py::test_an_installed_wheel_names_the_distribution_on_the_index",)),
+    Mutant("import_jdp_imports_jax", "cpu.py",
+           "from jdp.text import quoted  # jax is imported where it is used",
+           "import jax  # noqa\nfrom jdp.text import quoted  #",  # jdp --version costs jax's import again
+           ("tests/test_cli_edges.py::test_the_command_and_import_jdp_do_not_import_jax",)),
+    Mutant("ctrl_c_left_to_keyboardinterrupt", "run/exits.py",
+           "previous = signal.signal(signal.SIGINT, _interrupted)",
+           "previous = None",  # swallowed in jax's gc callback ("Exception ignored"), the run goes on
+           ("tests/test_cli_edges.py::test_ctrl_c_at_start_up_prints_one_line_and_exits_130",)),
+    Mutant("closed_pipe_traceback", "run/exits.py",
+           "    except BrokenPipeError:\n        _quiet_closed_stdout()\n        return CLOSED_PIPE\n",
+           "",  # `jdp config schema | head -1` ends in a BrokenPipeError traceback
+           ("tests/test_cli_edges.py::test_a_closed_pipe_ends_quietly",)),
+    Mutant("ctrl_c_in_training_exits_0", "run/cli.py",
+           'return INTERRUPTED if result.stopped_by == "SIGINT" else 0',
+           "return 0",  # a Ctrl-C'd run would read as finished to a shell or a script
+           ("tests/test_multiprocess.py::test_sigint_on_a_single_process_run_checkpoints_and_exits_130",)),
+    Mutant("shipped_config_not_found_by_name", "run/shipped.py",
+           'return os.path.join(CONFIG_DIR, name + ".yaml")',
+           "return arg",  # `jdp train char_gpt` outside a checkout: no such file
+           ("tests/test_shipped.py::test_a_config_is_found_by_name_and_a_file_of_that_path_wins",)),
+    Mutant("prepare_tokens_overwrites", "data/prepare.py",
+           "    if existing:\n",
+           "    if False:\n",  # a second prepare-tokens would replace the token files a run trains on
+           ("tests/test_shipped.py::test_prepare_tokens_writes_the_reference_text_as_byte_tokens_and_never_overwrites",)),
+    Mutant("compile_time_in_samples_per_s", "run/train.py",
+           "seconds, self.step, self.time = now - self.time, self.step + 1, now",
+           "seconds = now - self.time",  # the first interval's rate counts compilation again
+           ("tests/test_observe.py::test_the_first_step_is_timed_once_and_left_out_of_samples_per_s",)),
+    Mutant("step_lines_hidden_under_the_bar", "run/metrics.py",
+           "            self.log(f\"step {s:6d}  loss ",
+           "            self._progress or self.log(f\"step {s:6d}  loss ",  # the bar hides every step line
+           ("tests/test_observe.py::test_the_progress_bar_shows_below_the_step_lines_and_goes_when_the_run_ends",)),
+    Mutant("profile_misses_the_last_step", "run/profile.py",
+           "if self.tracing and s == self.steps[1]:",
+           "if self.tracing and s == self.steps[1] - 1:",  # the trace stops before the last step asked for
+           ("tests/test_observe.py::test_profile_steps_writes_a_trace_of_those_steps_into_the_workdir",)),
+    Mutant("wandb_gets_no_records", "run/metrics.py",
+           "            self._tracker.write(record)\n",
+           "            pass\n",
+           ("tests/test_observe.py::test_a_wandb_offline_run_holds_the_config_every_record_and_the_runs_identity",)),
 ]
 
 
@@ -485,6 +529,9 @@ def occurrences(mutant: Mutant, jdp_dir: str) -> int:
 
 
 def _copy_tree(src: str, dst: str) -> None:
+    if os.path.islink(src):  # configs/ links to jdp/configs/: the copy links to its own copy
+        os.symlink(os.readlink(src), dst)
+        return
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "results", "runs", "_build"))
 
 

@@ -10,16 +10,7 @@ and `jdp.models`. The implementation is grouped by concern: `jdp.core` (the step
 (Flax NNX and Linen), `jdp.data` (the input pipeline), `jdp.run` (the trainer and `jdp train`),
 `jdp.inspect` (explain, reports, the exactness check) and `jdp.models`.
 """
-from jdp import cpu
-from jdp.core.mesh import DATA_AXIS, make_mesh
-from jdp.core.optim import OptimizerSpec, exact_sum_spec
-from jdp.core.options import StepOptions
-from jdp.core.state import TrainState
-from jdp.core.step import TrainStep, get_params, make_train_step
-from jdp.core.weighting import Weighted
-from jdp.inspect.comm import CommReport, comm_report
-from jdp.inspect.memory import MemoryReport, memory_report
-from jdp.inspect.replicas import ReplicaMismatchError, check_replicas, replica_mismatches
+from jdp import cpu  # without jax: it imports jax where it is used
 
 __version__ = "0.1.0"
 
@@ -28,12 +19,24 @@ __version__ = "0.1.0"
 # step refuses it.
 cpu.configure_at_import()
 
-# Imported on first use: orbax (checkpoints), flax.training (Linen) and grain (data) cost ~0.3 s each.
-# The public modules (jdp.nnx, jdp.zero, ...) too: each re-exports its subpackage's module, which
-# the names above do not need.
-_LAZY = {"restore_state": "jdp.run.checkpoint", "save_state": "jdp.run.checkpoint", "data": None, "linen": None,
+# Every other public name is imported on first use, so that `import jdp` does not import jax (the
+# `jdp` command answers --version and --help at once): the step, reports and replica check import
+# jax, orbax (checkpoints), flax.training (Linen) and grain (data) cost ~0.3 s each. The public
+# modules (jdp.nnx, jdp.zero, ...) each re-export their subpackage's module.
+_LAZY = {"DATA_AXIS": "jdp.core.mesh", "make_mesh": "jdp.core.mesh", "OptimizerSpec": "jdp.core.optim",
+         "exact_sum_spec": "jdp.core.optim", "StepOptions": "jdp.core.options", "TrainState": "jdp.core.state",
+         "TrainStep": "jdp.core.step", "get_params": "jdp.core.step", "make_train_step": "jdp.core.step",
+         "Weighted": "jdp.core.weighting",
+         "CommReport": "jdp.inspect.comm", "comm_report": "jdp.inspect.comm", "MemoryReport": "jdp.inspect.memory",
+         "memory_report": "jdp.inspect.memory", "ReplicaMismatchError": "jdp.inspect.replicas",
+         "check_replicas": "jdp.inspect.replicas", "replica_mismatches": "jdp.inspect.replicas",
+         "restore_state": "jdp.run.checkpoint", "save_state": "jdp.run.checkpoint", "data": None, "linen": None,
          "models": None, "nnx": None, "zero": None, "fsdp": None, "step": None, "train": None, "config": None,
-         "testing": None}
+         "testing": None,
+         # The implementation's groups, reachable as attributes as when `import jdp` imported them all.
+         "core": None, "bridges": None, "inspect": None, "run": None, "extras": None, "text": None}
+# What `import jdp` used to import: a group reached as an attribute (`jdp.inspect.comm`) holds them.
+_SURFACE = ("jdp.core.step", "jdp.core.optim", "jdp.inspect.comm", "jdp.inspect.memory", "jdp.inspect.replicas")
 
 
 def __getattr__(name: str):
@@ -41,8 +44,16 @@ def __getattr__(name: str):
         raise AttributeError(f"module 'jdp' has no attribute {name!r}")
     import importlib
 
+    for surface in _SURFACE if name in ("core", "inspect") else ():
+        importlib.import_module(surface)
     module = importlib.import_module(_LAZY[name] or f"jdp.{name}")
-    return module if _LAZY[name] is None else getattr(module, name)
+    value = module if _LAZY[name] is None else getattr(module, name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
 
 
 __all__ = [

@@ -16,10 +16,9 @@ from __future__ import annotations
 import collections
 import os
 import re
+import sys
 
-import jax
-
-from jdp.text import quoted
+from jdp.text import quoted  # jax is imported where it is used: `import jdp` (and the jdp command) stays instant
 
 THREADS_ENV = "JDP_CPU_THREADS"  # "xla": leave XLA's pools alone; a number: use that many threads
 MAX_THREADS = 4096  # XLA starts every thread of its pool: a typo of 10^9 would exhaust the machine
@@ -29,6 +28,8 @@ _set_by_jdp = False
 
 def backends_started() -> bool:
     """True once jax has created its backends (after which the CPU device count is fixed)."""
+    if "jax" not in sys.modules:  # jax not imported yet: no backend can exist
+        return False
     from jax._src import xla_bridge  # no public API says whether backends exist yet
 
     return xla_bridge.backends_are_initialized()
@@ -36,7 +37,11 @@ def backends_started() -> bool:
 
 def requested_cpu_devices() -> int:
     """The CPU device count jax will create: `jax_num_cpu_devices`, else XLA_FLAGS, else 1."""
-    n = jax.config.jax_num_cpu_devices
+    if "jax" in sys.modules:
+        n = sys.modules["jax"].config.jax_num_cpu_devices
+    else:  # what jax will read from its environment variable when it is imported
+        text = os.environ.get("JAX_NUM_CPU_DEVICES", "").strip()
+        n = int(text) if text.lstrip("-").isdigit() else None
     if n is not None and n > 0:
         return n
     found = re.findall(r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
@@ -104,6 +109,8 @@ def use_cpu_devices(n: int) -> None:
     Raises ValueError if `n` < 1, for a bad `JDP_CPU_THREADS`, or if jax already started its CPU
     backend with another count.
     """
+    import jax
+
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(f"devices={n!r} must be a positive integer.")
     threads_choice()  # refuse a bad JDP_CPU_THREADS even where the backend has started

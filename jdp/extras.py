@@ -1,13 +1,16 @@
 """jdp's optional dependencies (pyproject's extras): import one, or say in one sentence how to install it here.
 
-`pip install 'jdp[plot]'` works for a package from an index; in a source checkout (the Quick
-start's `pip install -e .`) pip reads `jdp[plot]` as a request for jdp from the index, so the
-command named is `pip install -e '<checkout>[plot]'` there.
+jdp is published as `jdp-train` (the index's `jdp` is another project), so an installed wheel's
+extra is `pip install 'jdp-train[plot]'`. In a source checkout (the Quick start's `pip install -e .`)
+pip would read that as a request for the index's copy, so the command named is
+`pip install -e '<checkout>[plot]'` there.
 """
 from __future__ import annotations
 
 import importlib
 import os
+
+DISTRIBUTION = "jdp-train"  # the name on the package index (pyproject's project.name); `import jdp` stays
 
 
 def checkout() -> str | None:
@@ -18,10 +21,10 @@ def checkout() -> str | None:
 
 def install_command(extra: str) -> str:
     """The pip command that installs extra `extra` for the jdp imported here: in a source checkout
-    `pip install -e '<checkout>[extra]'` ('.' when it is the working directory), else `pip install 'jdp[extra]'`."""
+    `pip install -e '<checkout>[extra]'` ('.' when it is the working directory), else `pip install 'jdp-train[extra]'`."""
     root = checkout()
     if root is None:
-        return f"pip install 'jdp[{extra}]'"
+        return f"pip install '{DISTRIBUTION}[{extra}]'"
     where = "." if os.path.realpath(os.getcwd()) == os.path.realpath(root) else root
     return f"pip install -e '{where}[{extra}]'"
 

@@ -32,8 +32,8 @@ def test_train_logs_checkpoints_plots_and_resumes(tmp_path):
 
 
 def test_seed_config_reaches_the_seed_numbers(tmp_path):
-    r = run_jdp("train", "configs/seed_linear.yaml", "--workdir", str(tmp_path / "s"), "--no-progress",
-                cwd=str(__import__("pathlib").Path(__file__).parents[1]))
+    # By name, from a folder with no configs/ in it: the shipped config travels with the package.
+    r = run_jdp("train", "seed_linear", "--workdir", str(tmp_path / "s"), "--no-progress", cwd=str(tmp_path))
     assert r.returncode == 0, r.stderr
     assert "params: ['w'] = [0.915, 0.085]" in r.stdout
 

@@ -20,7 +20,7 @@ from jdp.data import load_seed_regression
 from jdp.core.optim import for_reduction
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SHIPPED = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
+SHIPPED = sorted(glob.glob(os.path.join(ROOT, "jdp", "configs", "*.yaml")))
 
 
 def exactly(message: str) -> str:
@@ -43,9 +43,9 @@ def test_every_expected_config_is_shipped():
 @pytest.mark.parametrize("path", SHIPPED, ids=os.path.basename)
 def test_shipped_config_loads_validates_and_has_its_header(path, tmp_path, monkeypatch):
     with open(path) as f:
-        if "name: tokens" in f.read():  # its token files are written by the example its header names first
+        if "name: tokens" in f.read():  # its token files are written by the command its header names first
             monkeypatch.chdir(tmp_path)
-            subprocess.run([sys.executable, os.path.join(ROOT, "examples", "prepare_tokens.py"), "--out",
+            subprocess.run([sys.executable, "-m", "jdp.run.cli", "data", "prepare-tokens", "python-reference",
                             "runs/pyref_tokens"], check=True, capture_output=True, timeout=120)
     cfg = load_config(path)
     assert validate(cfg, cfg.parallel.devices or 4) is cfg
@@ -55,7 +55,7 @@ def test_shipped_config_loads_validates_and_has_its_header(path, tmp_path, monke
     header = lines[:next(i for i, line in enumerate(lines) if not line.startswith("#"))]
     name = os.path.splitext(os.path.basename(path))[0]
     assert len(header) >= 3, "a header says what it trains, the command and the expected result"
-    assert f"# Run: jdp train configs/{name}.yaml --workdir runs/{name}" in header
+    assert f"# Run: jdp train {name} --workdir runs/{name}" in header
     assert sum(line.startswith("# Expected result: ") for line in header) == 1
 
 
@@ -279,7 +279,7 @@ BAD_FILES = [
                    "schedule, warmup_steps, linear_scaling, base_batch_size), got int."),
     ("optimizer:\n  lr: 1\n", "unknown key 'optimizer'; a config has: model, data, optim, parallel, train."),
     ("train:\n  stepz: 3\n", "unknown key 'train.stepz'; train has: steps, log_every, eval_every, "
-                             "checkpoint_every, keep_checkpoints, max_nonfinite, seed, precision, accelerator_only."),
+                             "checkpoint_every, keep_checkpoints, max_nonfinite, seed, precision, accelerator_only, profile_steps."),
 ]
 
 
@@ -421,7 +421,7 @@ def test_config_hash_ignores_cadence_and_device_count():
     assert len(base) == 64 and base == config_hash(load_config(None))
     for override in ["train.log_every=7", "parallel.devices=2", "train.checkpoint_every=10", "train.eval_every=5",
                      "train.keep_checkpoints=1", "data.eval_batch_size=64", "train.max_nonfinite=0", "train.steps=301",
-                     "parallel.shard_optimizer_state=true", "parallel.shard_params=true"]:
+                     "parallel.shard_optimizer_state=true", "parallel.shard_params=true", "train.profile_steps='2:3'"]:
         assert config_hash(load_config(None, [override])) == base, override
     for override in ["optim.lr=1e-3", "model.hidden=[64]", "train.seed=1", "data.batch_size=64",
                      "parallel.reduction=sum", "parallel.accum_steps=2", "optim.linear_scaling=true"]:
@@ -429,7 +429,7 @@ def test_config_hash_ignores_cadence_and_device_count():
     assert set(HASH_EXCLUDED) == {"data.eval_batch_size", "data.val_path", "data.threads", "data.workers",
                                   "parallel.devices", "parallel.shard_optimizer_state", "parallel.shard_params",
                                   "train.log_every", "train.eval_every", "train.checkpoint_every",
-                                  "train.keep_checkpoints", "train.max_nonfinite"}
+                                  "train.keep_checkpoints", "train.max_nonfinite", "train.profile_steps"}
 
 
 def test_config_hash_is_stable_across_processes_and_key_order(tmp_path):

@@ -91,7 +91,7 @@ def test_config_reference_names_every_field_with_its_rule():
                               ("reference/cli.md", ref.CLI_MARKER)):
         with open(os.path.join(DOCS, page_name), encoding="utf-8") as f:
             assert marker in f.read(), (page_name, marker)
-    assert "configs/char_gpt.yaml" in ref.shipped_configs() and "--workdir" in ref.cli_reference()
+    assert "### `char_gpt`" in ref.shipped_configs() and "--workdir" in ref.cli_reference()
 
 
 def test_docstrings_become_restructured_text_that_says_the_same():
@@ -129,3 +129,46 @@ def test_docs_build_strictly_and_open_offline(tmp_path):
     remote = re.compile(r'<(?:script|link|img)[^>]+(?:src|href)="(?:https?:)?//')
     loads = [str(f.relative_to(out)) for f in out.rglob("*.html") if remote.search(f.read_text(encoding="utf-8"))]
     assert not loads, f"these pages load something from the network: {loads}"
+    _every_public_name_has_an_entry(out)
+
+
+PUBLIC = ("jdp", "jdp.nnx", "jdp.linen", "jdp.data", "jdp.testing", "jdp.fsdp", "jdp.zero", "jdp.models")
+
+
+def _every_public_name_has_an_entry(out):
+    """Each name in a public module's `__all__` has an entry (an anchor `module.name`) in the built API
+    pages, each public module its page, and no class shows the `(*args, **kwargs)` of a metaclass."""
+    import importlib
+    import types
+
+    html = "".join(f.read_text(encoding="utf-8") for f in (out / "api").glob("*.html"))
+    anchors = set(re.findall(r'id="([^"]+)"', html))
+    missing = [f"{m}.{n}" for m in PUBLIC for n in importlib.import_module(m).__all__
+               if not isinstance(getattr(importlib.import_module(m), n), types.ModuleType) and f"{m}.{n}" not in anchors]
+    assert not missing, f"public names with no entry in the API reference: {missing}"
+    assert all(f'id="module-{m}"' in html for m in PUBLIC), [m for m in PUBLIC if f'id="module-{m}"' not in html]
+    for name in ("GPT", "MLP", "CNN"):
+        signature = re.sub(r"<[^>]+>", "", html[html.index(f'id="jdp.models.{name}"'):][:20000]).split("[source]")[0]
+        assert "*args" not in signature and "dtype" in signature, signature[:300]
+
+
+NUMBER = re.compile(r"\d[\d,.]*(?:e[-+]\d+)?")
+
+
+def test_the_console_lines_the_pages_quote_are_what_jdp_train_prints(tmp_path):
+    """Each line of the README's and the quick start's `jdp train` output blocks (numbers aside; `...`
+    stands for lines left out) is a line the command prints, on a first run and on the rerun."""
+    printed = set()
+    for _ in range(2):  # the run, then the rerun that finds it complete
+        run = subprocess.run([sys.executable, "-m", "jdp.run.cli", "train"], cwd=tmp_path, capture_output=True,
+                             text=True, timeout=600, env=child_env())
+        assert run.returncode == 0, run.stderr[-2000:]
+        printed |= {NUMBER.sub("N", line.replace(str(tmp_path), "/home/you")) for line in run.stdout.splitlines()}
+    quoted = []
+    for page in ("README.md", os.path.join("docs", "quickstart.md")):
+        with open(os.path.join(ROOT, page), encoding="utf-8") as f:
+            blocks = re.findall(r"```text\n(.*?)```", f.read(), re.S)
+        quoted += [(page, line) for block in blocks if block.startswith(("mlp on digits", "resumed from"))
+                   for line in block.splitlines() if line != "..."]
+    assert len(quoted) >= 10
+    assert [q for q in quoted if NUMBER.sub("N", q[1]) not in printed] == []

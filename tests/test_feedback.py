@@ -48,7 +48,10 @@ def test_explain_json_keeps_stdout_for_the_json_and_reports_progress_on_stderr(m
     out, err = capsys.readouterr()
     results = json.loads(out)  # stdout is the JSON document and nothing else
     assert results["seed_single_param"] == {"part": 1} and results["matrix"][0]["devices"] == 2
-    assert err.splitlines() == [f"jdp explain: part {line}" for line in (
+    first, *parts = err.splitlines()  # what it will do and what that cost when measured, then each part
+    assert first == ("jdp explain: 7 parts, ~120 steps to compile on 8 fake CPU devices; 434-466 s measured on a "
+                     "2-core CPU shared with other work (load average 7-8)")
+    assert parts == [f"jdp explain: part {line}" for line in (
         "1 of 7: seed regression 1", "2 of 7: seed regression 2",
         "3 of 7: deviation matrix", "3 of 7: deviation matrix, 1 of 2 (sgd, clip off)",
         "3 of 7: deviation matrix, 2 of 2 (sgd, clip on)",
@@ -166,7 +169,7 @@ def test_every_option_of_every_subcommand_has_help():
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
     missing = [f"{name} {action.option_strings or action.dest}" for name, command in commands.items()
                for action in command._actions if not (action.help or "").strip() or action.help == argparse.SUPPRESS]
-    assert not missing and set(commands) == {"train", "plot", "explain", "config"}
+    assert not missing and set(commands) == {"train", "plot", "explain", "config", "configs", "data"}
 
 
 def test_explain_progress_on_a_terminal_is_a_rich_bar():

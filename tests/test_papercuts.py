@@ -139,6 +139,20 @@ def test_plot_without_matplotlib_names_the_install_command_of_this_checkout(tmp_
     assert not (tmp_path / "run" / "curves.png").exists()
 
 
+def test_an_installed_wheel_names_the_distribution_on_the_index(tmp_path, monkeypatch, capsys):
+    """Installed from a wheel (no pyproject.toml beside the package): the hint names `jdp-train`, the
+    distribution's own name (the index's `jdp` is another project), which pyproject.toml declares."""
+    import jdp.extras
+
+    assert tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["name"] == jdp.extras.DISTRIBUTION
+    work = _metrics(tmp_path / "run", [{"step": 1, "loss": 2.0}])
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setattr(jdp.extras, "checkout", lambda: None)
+    assert jdp.run.cli.main(["plot", work]) == 2
+    assert capsys.readouterr().err == ("jdp: error: jdp plot needs matplotlib, which is not installed here; "
+                                       "install it with pip install 'jdp-train[plot]'\n")
+
+
 def test_plot_has_axis_labels_the_run_name_and_marked_eval_points(tmp_path, monkeypatch):
     import matplotlib.pyplot as plt
 

@@ -6,7 +6,7 @@ A page holds a marker line; on `source-read` the marker is replaced by Markdown 
   docstring and, per field, its type, default, what it accepts (the rule that checks it, the same
   words its error message uses), whether a resume may change it (`jdp.config.run_identity`) and
   its docstring; then the whole default config as YAML and the YAML reader's limits.
-- `<!-- jdp:shipped-configs -->`: each file of `configs/` with its header: what it trains, the
+- `<!-- jdp:shipped-configs -->`: each shipped config (`jdp/configs/`) with its header: what it trains, the
   command that runs it and the result it should reach.
 - `<!-- jdp:cli-reference -->`: `jdp --help` and each subcommand's `--help`, from
   `jdp.run.cli.build_parser()`.
@@ -29,7 +29,6 @@ import yaml
 CONFIG_MARKER = "<!-- jdp:config-reference -->"
 CLI_MARKER = "<!-- jdp:cli-reference -->"
 CONFIGS_MARKER = "<!-- jdp:shipped-configs -->"
-CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
 
 
 def _cell(text: str) -> str:
@@ -110,21 +109,14 @@ def config_reference() -> str:
 
 
 def shipped_configs() -> str:
-    """Each config of configs/ as a section: its header's description, its "Run:" command, its "Expected result:"."""
+    """Each shipped config (jdp.run.shipped, as `jdp configs` reads them) as a section: what it trains, its
+    "Run:" command, its "Expected result:"."""
+    from jdp.run.shipped import shipped_configs as configs
+
     out = []
-    for name in sorted(os.listdir(CONFIGS)):
-        if not name.endswith(".yaml"):
-            continue
-        with open(os.path.join(CONFIGS, name), encoding="utf-8") as f:
-            header = [line[1:].strip() for line in f.read().splitlines() if line.startswith("#")]
-        text = "\n".join(header)
-        about, _, rest = text.partition("Run:")
-        run, _, expected = rest.partition("Expected result:")
-        out += [f"### `configs/{name}`", "", " ".join(about.split()), ""]
-        if run.strip():
-            out += ["```bash", run.strip().splitlines()[0], "```", ""]
-        if expected.strip():
-            out += [f"Expected result: {' '.join(expected.split())}", ""]
+    for config in configs():
+        out += [f"### `{config.name}`", "", config.summary, "", "```bash", config.run, "```", "",
+                f"Expected result: {config.expected}", ""]
     return "\n".join(out)
 
 
@@ -221,7 +213,23 @@ def plain_text_docstring(app, what, name, obj, options, lines):
         lines[:] = GoogleDocstring(lines, config, app, what, name, obj, options).lines()
 
 
+def constructor_signature(app, what, name, obj, options, signature, return_annotation):
+    """A class's real constructor arguments where its metaclass hides them: Flax NNX modules are built
+    through the metaclass's `__call__(*args, **kwargs)`, which autodoc would show for GPT, MLP and CNN."""
+    import inspect
+
+    if what != "class" or not signature or "*args" not in signature or "__init__" not in vars(obj):
+        return None
+    try:
+        init = inspect.signature(obj.__init__, eval_str=True)  # the modules' string annotations as types
+    except NameError:
+        init = inspect.signature(obj.__init__)
+    params = list(init.parameters.values())[1:]  # without self
+    return str(init.replace(parameters=params, return_annotation=inspect.Signature.empty)), return_annotation
+
+
 def setup(app):
     app.connect("source-read", _fill_markers)
+    app.connect("autodoc-process-signature", constructor_signature)
     app.connect("autodoc-process-docstring", plain_text_docstring, priority=400)
     return {"version": "1", "parallel_read_safe": True, "parallel_write_safe": True}

@@ -70,6 +70,7 @@ jax.tree_util.register_dataclass(ParamShard)
 
 
 def is_shard(x) -> bool:
+    """Whether `x` is a `ParamShard` (an `is_leaf` for tree maps that must stop at one)."""
     return isinstance(x, ParamShard)
 
 

@@ -1,5 +1,5 @@
 """ArrayRecord files as a source, through grain's `ArrayRecordDataSource` (the `array-record` package:
-`pip install 'jdp[arrayrecord]'`; grain installs it too on Linux).
+`pip install 'jdp-train[arrayrecord]'`, or `pip install -e '.[arrayrecord]'` in a checkout; grain installs it too on Linux).
 
 An ArrayRecord file holds records of bytes with an index, so record i is read without reading the
 others. jdp's records are examples encoded by `encode_example`: the 4 bytes `JDP1`, a 4-byte
@@ -17,10 +17,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import numpy as np
 
 from jdp.data.sources import ItemSource, digest_items
+from jdp.extras import install_command
 from jdp.text import quoted
-
-INSTALL = "pip install 'jdp[arrayrecord]' (the array-record package)"
-
 
 _MAGIC = b"JDP1"
 
@@ -57,7 +55,7 @@ def _module(name: str):
         return importlib.import_module(name)
     except ImportError as e:
         raise ValueError(f"ArrayRecord files need the array-record package, which is not installed ({e}); "
-                         f"{INSTALL}.") from None
+                         f"install it with {install_command('arrayrecord')}.") from None
 
 
 def write_array_record(path: str | os.PathLike, examples: Iterable[Mapping[str, np.ndarray]], *,

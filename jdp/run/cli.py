@@ -7,6 +7,8 @@ import os
 import sys
 
 from jdp import __version__
+from jdp.run.commands import add_configs_parser, add_data_parser, cmd_configs, cmd_data
+from jdp.run.exits import INTERRUPTED, run_quietly
 
 
 def _positive_int(text: str) -> int:
@@ -40,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plot_parser(sub)
     _add_explain_parser(sub)
     _add_config_parser(sub)
+    add_configs_parser(sub)
+    add_data_parser(sub)
     return parser
 
 
@@ -47,10 +51,12 @@ def _add_train_parser(sub) -> None:
     """`jdp train`: a config on N devices, resumable, with the multi-process options in their own group."""
     train = sub.add_parser(
         "train", help="train a config (default: an MLP on scikit-learn's digits)",
-        description="Train CONFIG (a YAML file from configs/, default: an MLP on scikit-learn's bundled digits) "
+        description="Train CONFIG (a shipped config's name, e.g. char_gpt: `jdp configs` lists them; or a YAML file; "
+        "default: an MLP on scikit-learn's bundled digits) "
         "with data parallelism over N devices; on a CPU-only machine, N fake CPU devices. Writes metrics.jsonl and "
         "orbax checkpoints to --workdir; running the same command again resumes from the newest checkpoint.")
-    train.add_argument("config", nargs="?", help="YAML config (default: the built-in digits MLP)")
+    train.add_argument("config", nargs="?", help="a shipped config's name (jdp configs) or a YAML file (default: the "
+                       "built-in digits MLP)")
     train.add_argument("--workdir", help="run directory (default: runs/<config name>)")
     train.add_argument("--devices", type=_positive_int, help="number of devices; on a CPU-only machine, fake CPU "
                        "devices (default: the config's parallel.devices, else 4 on CPU, all accelerators otherwise)")
@@ -66,6 +72,10 @@ def _add_train_parser(sub) -> None:
     train.add_argument("--no-progress", action="store_true", help="log lines instead of a progress bar")
     train.add_argument("--tensorboard", action="store_true",
                        help="also write the logged scalars to DIR/tensorboard (needs tensorboardX)")
+    train.add_argument("--wandb", action="store_true", help="also log the config and every record to a Weights & "
+                       "Biases run in offline mode, in DIR/wandb (no server; `wandb sync` uploads it; needs wandb)")
+    train.add_argument("--profile-steps", metavar="FIRST:LAST", help="write a jax.profiler trace of optimizer steps "
+                       "FIRST..LAST into DIR/profile (train.profile_steps), for TensorBoard's profile plugin or Perfetto")
     train.add_argument("--fallback-to-intact", action="store_true",
                        help="if the newest checkpoint is damaged, resume from the newest intact one and move the "
                        "damaged ones to DIR/checkpoints.damaged (default: refuse)")
@@ -101,8 +111,9 @@ def _add_explain_parser(sub) -> None:
     explain = sub.add_parser("explain", help="show, with numbers, why jdp averages gradients instead of summing",
                              description="Run jdp's step on 8 fake CPU devices and print: the seed examples "
                              "(mean vs sum), the deviation of every optimizer x clipping x reduction x N from one "
-                             "device, bf16 gradient communication, Adam's ε, clipping rates and fp16 overflow. About "
-                             "a minute on a 2-core CPU (it compiles ~120 steps); each part, and each run within it, "
+                             "device, bf16 gradient communication, Adam's ε, clipping rates and fp16 overflow. It compiles "
+                             "~120 steps: 434-466 s measured on a 2-core CPU shared with other work (load average 7-8), "
+                             "less on an idle one; it says so when it starts, and each part, and each run within it, "
                              "is reported on stderr as it starts.")
     explain.add_argument("--json", action="store_true",
                          help="print the results as JSON on stdout instead (progress goes to stderr)")
@@ -192,7 +203,8 @@ def cmd_train(args) -> int:
     workdir = os.path.join("runs", name) if args.workdir is None else args.workdir
     try:
         result = train(config, workdir, devices=devices, progress=not args.no_progress, stop_after=args.stop_after,
-                       tensorboard=args.tensorboard, fallback_to_intact=args.fallback_to_intact, allow_cpu=allow_cpu)
+                       tensorboard=args.tensorboard, fallback_to_intact=args.fallback_to_intact, allow_cpu=allow_cpu,
+                       wandb=args.wandb)
     except (NonFiniteError, NonFiniteStateError) as e:
         print(f"jdp: {e}", file=sys.stderr)
         return 1
@@ -213,19 +225,21 @@ def cmd_train(args) -> int:
               f"some space and rerun the same command to resume.", file=sys.stderr)
         return 1
     _print_result(result, config, workdir)
-    return 0
+    return INTERRUPTED if result.stopped_by == "SIGINT" else 0  # Ctrl-C: checkpointed, yet interrupted
 
 
 def _train_config_and_devices(args) -> tuple:
     """`jdp train`'s config (file, --set and the flags) and devices: this process's own, or every
     process's once jax.distributed is initialised (--coordinator, --auto-distributed)."""
     from jdp.run.config import load_config
+    from jdp.run.shipped import resolve_config
 
     distributed = args.coordinator is not None or args.auto_distributed
     flags = {"parallel.devices": None if distributed else args.devices, "train.steps": args.steps,
-             "train.log_every": args.log_every, "train.checkpoint_every": args.checkpoint_every}
+             "train.log_every": args.log_every, "train.checkpoint_every": args.checkpoint_every,
+             "train.profile_steps": None if args.profile_steps is None else repr(args.profile_steps)}
     overrides = [*args.set, *(f"{k}={v}" for k, v in flags.items() if v is not None)]
-    config = load_config(args.config, overrides)  # fails on a bad config before any device is set up
+    config = load_config(resolve_config(args.config), overrides)  # a bad config fails before any device is set up
     if not distributed:
         if args.num_processes or args.process_id is not None:
             raise ValueError("--num-processes and --process-id need --coordinator HOST:PORT.")
@@ -286,12 +300,14 @@ def cmd_explain(args) -> int:
     import json
 
     from jdp.cpu import backends_started, use_cpu_devices
-    from jdp.inspect.explain import EXPLAIN_DEVICES, explain, plot, progress_to, render
+    from jdp.inspect.explain import EXPLAIN_DEVICES, MEASURED_TIME, PARTS, explain, plot, progress_to, render
 
     if args.plot and not args.plot.lower().endswith(".png"):
         raise ValueError(f"--plot {args.plot!r} must name a .png file.")
     if not backends_started():
         use_cpu_devices(max(EXPLAIN_DEVICES, *args.devices))
+    print(f"jdp explain: {len(PARTS)} parts, ~120 steps to compile on {max(EXPLAIN_DEVICES, *args.devices)} fake CPU "
+          f"devices; {MEASURED_TIME}", file=sys.stderr, flush=True)
     with progress_to(sys.stderr) as progress:  # stderr: with --json, stdout is the JSON document alone
         results = explain(args.devices, backend=args.backend, progress=progress)
     if args.json:
@@ -386,20 +402,28 @@ def supervise(argv: list[str], process_id, heartbeat_s: int = 10) -> int:
         signal.signal(sig, forward)
     code = child.wait()
     relay.join(timeout=5)
-    if code < 0 or code > 2:
+    if code < 0 or code > 2 and code != INTERRUPTED:  # 130: Ctrl-C, reported by the training process
         print(f"jdp: error: {abnormal_end(process_id, code, ''.join(tail), heartbeat_s)}", file=sys.stderr)
         return 1
     return code
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`jdp ARGS`: the exit code. Ctrl-C ends with one line and 130 (in `jdp train`, after the
+    step it stops at is checkpointed); a reader that closes the pipe (`| head`) ends it quietly
+    (`jdp.run.exits`)."""
+    return run_quietly(_main, argv)
+
+
+def _main(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     distributed = args.command == "train" and (args.coordinator is not None or args.auto_distributed)
     if distributed and not os.environ.get(_SUPERVISED):
         return supervise(argv, args.process_id, args.heartbeat_timeout)
     try:
-        return {"train": cmd_train, "explain": cmd_explain, "plot": cmd_plot, "config": cmd_config}[args.command](args)
+        return {"train": cmd_train, "explain": cmd_explain, "plot": cmd_plot, "config": cmd_config,
+                "configs": cmd_configs, "data": cmd_data}[args.command](args)
     except ValueError as e:  # bad input: one sentence, exit code 2, no traceback
         print(f"jdp: error: {e}", file=sys.stderr)
         return 2

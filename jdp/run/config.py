@@ -40,7 +40,8 @@ from jdp.text import quoted, shorten
 # train.steps where the schedule does not use it: `run_identity`).
 HASH_EXCLUDED = ("data.eval_batch_size", "data.val_path", "data.threads", "data.workers", "parallel.devices",
                  "parallel.shard_optimizer_state", "parallel.shard_params", "train.log_every",
-                 "train.eval_every", "train.checkpoint_every", "train.keep_checkpoints", "train.max_nonfinite")
+                 "train.eval_every", "train.checkpoint_every", "train.keep_checkpoints", "train.max_nonfinite",
+                 "train.profile_steps")
 # Fields that say where a run may start, not what it trains: left out of `run_identity` as well.
 PLACEMENT_ONLY = ("train.accelerator_only",)
 # Identity fields added after checkpoints already existed, with the value every earlier run had:

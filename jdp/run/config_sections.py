@@ -28,6 +28,17 @@ ATTENTIONS = ("flax", "fused", "cudnn")  # the gpt's attention functions, as `jd
 # train.precision and parallel.reduce_dtype: what the section checks itself (the type); StepOptions
 # checks the value, so "fp16" gets its one-sentence reason and "bf16" its canonical name.
 DTYPE = Rule("'float32' ('fp32') or 'bfloat16' ('bf16')", schema={"enum": [*DTYPES, *ALIASES]})
+PROFILE_STEPS = Rule("'FIRST:LAST' (quoted: YAML reads 20:25 unquoted as a number), two step numbers with "
+                     "1 <= FIRST <= LAST", lambda v: _profile_steps_ok(v), schema={"pattern": r"^\d+:\d+$"})
+
+
+def _profile_steps_ok(text: str) -> bool:
+    from jdp.run.profile import parse_steps
+
+    try:
+        return parse_steps(text) is not None
+    except ValueError:
+        return False
 
 
 def step_option_key(option: str) -> str:
@@ -235,12 +246,15 @@ class TrainConfig(Section):
     accelerator_only: bool = False
     """The config is meant for GPUs/TPUs: `jdp train` refuses to start it when jax sees only CPUs,
     unless --steps or --stop-after asks for a few steps there (`train(..., allow_cpu=True)` in code)."""
+    profile_steps: str | None = None
+    """"FIRST:LAST": write a `jax.profiler` trace of optimizer steps FIRST..LAST (inclusive) into
+    WORKDIR/profile, for TensorBoard's profile plugin or Perfetto (--profile-steps); null: none."""
 
     _section: ClassVar[str] = "train"
     _rules: ClassVar[dict[str, Rule]] = dict(
         steps=POSITIVE_INT, log_every=POSITIVE_INT, eval_every=COUNT, checkpoint_every=COUNT,
         keep_checkpoints=POSITIVE_INT, max_nonfinite=COUNT, seed=SEED,
-        precision=DTYPE, accelerator_only=BOOL)
+        precision=DTYPE, accelerator_only=BOOL, profile_steps=or_null(PROFILE_STEPS))
 
     def __post_init__(self):
         super().__post_init__()

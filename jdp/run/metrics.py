@@ -71,23 +71,29 @@ class TensorBoard:
 class MetricsWriter:
     """A run's records to `workdir/metrics.jsonl` (and TensorBoard), and its progress to the console.
 
-    The console is a progress bar (`progress=True`, which shows the latest loss and throughput) or
-    one line per training record; evaluation records are always printed as a line. With
+    The console shows one line per record (training and evaluation) and, with `progress=True`, a
+    progress bar below them (rich's live display: lines print above it) that shows the latest loss
+    and throughput and is removed when the run ends. `tracker`: another sink with `write(record)` and
+    `close()` (`jdp.run.trackers.WandbOffline`). With
     `active=False` (any process but the primary one) it opens nothing and writes nothing. Use it as
     a context manager: it shows the bar inside and closes every file on the way out.
     """
 
     def __init__(self, workdir: str, *, total: int, start: int, log=print, progress: bool = True,
-                 tensorboard: bool = False, active: bool = True):
+                 tensorboard: bool = False, active: bool = True, tracker=None):
+        from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
         self._log, self._progress = (log if active else None), progress
+        # A bar only on a terminal: into a pipe or a file rich would end with the bar's last frame (or an
+        # empty line). Transient: a finished run leaves its lines, not a bar.
+        shown = progress and active and Console().is_terminal
         self._bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                             TextColumn("{task.description}"), TimeRemainingColumn(), disable=not (progress and active))
+                             TextColumn("{task.description}"), TimeRemainingColumn(), disable=not shown, transient=True)
         self._task = self._bar.add_task("", total=total, completed=start)
         # TensorBoard first: a missing tensorboardX stops the run before metrics.jsonl is opened.
         self._board = TensorBoard(workdir) if tensorboard and active else None
-        self._file = None
+        self._file, self._tracker = None, tracker
         if active:
             path = os.path.join(workdir, "metrics.jsonl")
             try:
@@ -119,13 +125,15 @@ class MetricsWriter:
         self._file.flush()  # a crash loses at most the step in flight
         if self._board is not None:
             self._board.write(record)
+        if self._tracker is not None:
+            self._tracker.write(record)
         s = record["step"]
         if "loss" in record:
-            self._bar.update(self._task, description=f"loss {record['loss']:.4f}  "
-                             f"{record['samples_per_s']:,.0f} samples/s")
-            if not self._progress:
-                self.log(f"step {s:6d}  loss {record['loss']:.4f}  grad_norm {record['grad_norm']:.3f}  "
-                         f"lr {record['lr']:.2e}  {record['samples_per_s']:,.0f} samples/s")
+            # No rate for a log step whose interval holds only the first (compiling) step.
+            rate = f"  {record['samples_per_s']:,.0f} samples/s" if "samples_per_s" in record else ""
+            self._bar.update(self._task, description=f"loss {record['loss']:.4f}{rate}")
+            self.log(f"step {s:6d}  loss {record['loss']:.4f}  grad_norm {record['grad_norm']:.3f}  "
+                     f"lr {record['lr']:.2e}{rate}")
         evals = {k.removeprefix("eval_"): v for k, v in record.items() if k.startswith("eval_")}
         if evals:
             self.log(f"step {s:6d}  eval " + "  ".join(f"{k} {v:.4f}" for k, v in evals.items()))
@@ -135,6 +143,9 @@ class MetricsWriter:
         self._bar.stop()
         if self._board is not None:
             self._board.close()
+        if self._tracker is not None:
+            self._tracker.close()
+            self._tracker = None
         if self._file is not None:
             self._file.close()
 

@@ -20,6 +20,7 @@ from jdp.run.distributed import agree, any_process
 from jdp.run.facts import RunFacts, itstime
 from jdp.run.lock import locked_workdir
 from jdp.run.metrics import MetricsWriter, load_metrics, peak_flops, plot_metrics, step_flops
+from jdp.run.profile import StepProfile, parse_steps
 from jdp.run.tasks import build_task
 from jdp.run.workfiles import refuse_symlink
 
@@ -40,6 +41,7 @@ class TrainResult:
     # complete (then of the restored state); {} without a held-out set or when stopped before any
     seconds: float  # wall time of this run's loop, compilation included
     params: object  # host numpy params
+    stopped_by: str | None = None  # the signal that stopped it early ("SIGINT", "SIGTERM"), if one did
 
 
 class NonFiniteError(RuntimeError):
@@ -90,7 +92,7 @@ def _exit_zero(signum, frame):
 
 def train(config: Config, workdir: str, *, devices=None, log=print, progress: bool = True,
           stop_after: int | None = None, tensorboard: bool = False, fallback_to_intact: bool = False,
-          task: Task | None = None, allow_cpu: bool = False) -> TrainResult:
+          task: Task | None = None, allow_cpu: bool = False, wandb: bool = False) -> TrainResult:
     """Train `config` in `workdir`, resuming from its newest checkpoint if there is one.
 
     `task`: your own model, loss and arrays (`jdp.nnx.task(...)`) instead of the config's model
@@ -101,8 +103,10 @@ def train(config: Config, workdir: str, *, devices=None, log=print, progress: bo
     parallel.reduce_dtype. A config with train.accelerator_only is refused (ValueError) when the
     devices are CPUs, unless `allow_cpu=True`, which trains on them anyway and logs one line saying so.
 
-    Writes `workdir/metrics.jsonl` (a JSON object per log or eval step; with `tensorboard`, also
-    TensorBoard scalars) from process 0, which alone talks, and orbax checkpoints under
+    Writes `workdir/metrics.jsonl` (a JSON object per log or eval step, and the first step's time,
+    compilation included, as `compile_s`, which `samples_per_s` leaves out; with `tensorboard`, also
+    TensorBoard scalars; with `wandb`, a W&B offline run: `jdp.run.trackers`) from process 0, which
+    alone talks, a `jax.profiler` trace of the steps train.profile_steps names (`jdp.run.profile`), and orbax checkpoints under
     `workdir/checkpoints`. `stop_after` ends this run after that many optimizer steps, with a
     checkpoint (re-running continues bit-exactly); so does SIGTERM/SIGINT on any process, at a step
     all processes agree on. The run holds `workdir` (`jdp.run.lock`) and handles SIGTERM/SIGINT until
@@ -137,14 +141,17 @@ def train(config: Config, workdir: str, *, devices=None, log=print, progress: bo
         start = resumed_from or 0
         end = facts.steps if stop_after is None else min(facts.steps, start + stop_after)
         writer = MetricsWriter(workdir, total=facts.steps, start=start, log=log, progress=progress,
-                               tensorboard=tensorboard, active=jax.process_index() == 0)  # process 0 alone writes
+                               tensorboard=tensorboard, active=jax.process_index() == 0,  # process 0 alone writes
+                               tracker=_tracker(wandb, workdir, config, parts.facts, devices))
         writer.log(_describe(parts.task, config, devices, start, end))
         cleanup.enter_context(writer)
-        loop = _Loop(config, parts, checkpoints, writer, signals, devices)
+        profile = StepProfile(parse_steps(config.train.profile_steps), workdir, writer.log)
+        cleanup.callback(profile.stop)  # a run that stops inside the range keeps what it traced
+        loop = _Loop(config, parts, checkpoints, writer, signals, devices, profile)
         t0 = time.perf_counter()
         state, end = loop.run(state, start, end)
     return TrainResult(end, resumed_from, loop.preempted, loop.final_loss, loop.eval_metrics,
-                       time.perf_counter() - t0, get_params(state))
+                       time.perf_counter() - t0, get_params(state), signals.requested if loop.preempted else None)
 
 
 @dataclass(frozen=True)
@@ -187,7 +194,7 @@ class _Loop:
     """The training loop of one invocation: step, log, checkpoint, evaluate; the only host syncs are
     at log and eval steps."""
 
-    def __init__(self, config, parts: _Parts, checkpoints, writer, signals, devices):
+    def __init__(self, config, parts: _Parts, checkpoints, writer, signals, devices, profile=None):
         self.config, self.spec, self.step, self.task, self.eval_step = (config, parts.spec, parts.step, parts.task,
                                                                         parts.eval_step)
         self.facts, self.batches, self.checkpoints, self.writer, self.signals = (parts.facts, parts.batches,
@@ -197,6 +204,7 @@ class _Loop:
         # One process alone decides nothing: the stop request is all-gathered every `check_every` steps.
         self.check_every = parts.facts.stop_check_every(jax.process_count())
         self.final_loss, self.eval_metrics, self.preempted, self.saved = None, {}, False, None
+        self.profile = profile or StepProfile(None, "")
 
     def run(self, state, start: int, end: int) -> tuple:
         """Train steps `start + 1 .. end`; returns (state, the step it ended at). A run complete
@@ -205,12 +213,16 @@ class _Loop:
         if start == end and self.eval_step is not None:
             self.eval_metrics = self.evaluate(state, start)
         for s in range(start + 1, end + 1):
-            for micro in self.step.micro_batches(next(self.batches)):
-                state, metrics = self.step(state, micro)
+            with self.profile.step(s):
+                for micro in self.step.micro_batches(next(self.batches)):
+                    state, metrics = self.step(state, micro)
+            self.profile.done(s, metrics)
             self.writer.advance()
+            record = {"step": s}
             if s == start + 1:  # once compiled: the step's FLOPs, per optimizer step, all devices
                 flops_per_step = step_flops(self.step, state, micro)
-            record = {"step": s}
+                record["compile_s"] = throughput.first_step(metrics)
+                self.writer.log(f"step {s} compiled and ran in {record['compile_s']:.1f} s (left out of samples/s)")
             if facts.logs_at(s, end):
                 m = jax.device_get(metrics)
                 _check_finite(s, m, self.config.train.max_nonfinite)
@@ -341,14 +353,24 @@ def _describe(task, config: Config, devices, start: int, end: int) -> str:
 
 
 class _Throughput:
-    """Optimizer steps per second since the previous log step (the first interval includes compilation)."""
+    """Optimizer steps per second since the previous log step, compilation left out: the clock
+    restarts once this invocation's first step has finished (`first_step`)."""
 
     def __init__(self, step: int):
         self.step, self.time = step, time.perf_counter()
 
-    def __call__(self, step: int) -> float:
+    def first_step(self, outputs) -> float:
+        """Seconds from the start to the end of the first step (its compilation included), waiting
+        for its `outputs`; the rate then counts from here."""
+        jax.block_until_ready(outputs)
         now = time.perf_counter()
-        rate = (step - self.step) / (now - self.time)
+        seconds, self.step, self.time = now - self.time, self.step + 1, now
+        return seconds
+
+    def __call__(self, step: int) -> float | None:
+        """Steps per second since the last call (or the first step); None when no step has run since."""
+        now = time.perf_counter()
+        rate = (step - self.step) / (now - self.time) if step > self.step else None
         self.step, self.time = step, now
         return rate
 
@@ -368,16 +390,27 @@ def _train_record(m: dict, state, *, lr: float, samples: int, steps_per_s: float
     tokens per step), FLOP/s and MFU where known (`peak`: all devices'
     peak FLOP/s, 0 if unknown), and the count of skipped updates once any update was skipped."""
     record = {"loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]), "lr": lr,
-              "samples_per_s": steps_per_s * samples, **{f"train_{k}": float(v) for k, v in m["aux"].items()}}
+              **({} if steps_per_s is None else {"samples_per_s": steps_per_s * samples}),  # None: the first step alone
+              **{f"train_{k}": float(v) for k, v in m["aux"].items()}}
     if "weight" in m:  # a weighted loss (the gpt: per token): the step's global weight, its real tokens
         record["weight"] = float(m["weight"])
-    if flops_per_step:
+    if flops_per_step and steps_per_s is not None:
         record["flops_per_s"] = steps_per_s * flops_per_step
         if peak:
             record["mfu"] = record["flops_per_s"] / peak
     if m["skipped"]:
         record["skipped_total"] = int(jax.device_get(state.skipped).reshape(-1)[0])
     return record
+
+
+def _tracker(wandb: bool, workdir: str, config: Config, facts: RunFacts, devices):
+    """The W&B offline run of `jdp train --wandb` (process 0 only), or None."""
+    if not wandb or jax.process_index():
+        return None
+    from jdp.run.trackers import WandbOffline
+
+    return WandbOffline(workdir, name=os.path.basename(os.path.abspath(workdir)), config=config.to_dict(),
+                        config_hash=facts.config_hash, devices=len(devices))
 
 
 def step_params(step, state):
