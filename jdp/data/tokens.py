@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import weakref
 
 import numpy as np
 
@@ -72,8 +73,8 @@ class TokenWindows:
             _check_vocab_fits(self.dtype, self.vocab_size, f"the token file {where}")
         if not os.path.isfile(self.path):
             raise ValueError(f"no such token file: {where}.")
-        self._file = self._open()
-        size = self.size = os.fstat(self._file.fileno()).st_size
+        self._fd = self._open()
+        size = self.size = os.fstat(self._fd).st_size
         if size % self.dtype.itemsize:
             raise ValueError(f"token file {where} holds {size} bytes, not a whole number of {self.dtype.name} tokens "
                              f"({self.dtype.itemsize} bytes each); it is damaged or holds another dtype.")
@@ -84,16 +85,19 @@ class TokenWindows:
         if self.vocab_size is not None:
             self._check_sample()
 
-    def _open(self):
-        """The file, open for reading; any OSError (permission, I/O) as one sentence naming it."""
+    def _open(self) -> int:
+        """A descriptor of the file, open for reading (closed with this object); any OSError (permission,
+        I/O) as one sentence naming the file."""
         try:
-            return open(self.path, "rb", buffering=0)
+            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         except OSError as e:
             raise ValueError(f"token file {quoted(self.path)} cannot be opened ({e.strerror or e}); give this "
                              f"user read permission on it, or name another data file.") from None
+        weakref.finalize(self, os.close, fd)
+        return fd
 
     def __getstate__(self):  # a worker process reopens the file instead of receiving the open one
-        return {**self.__dict__, "_file": None}
+        return {**self.__dict__, "_fd": None}
 
     def read(self, start: int, count: int) -> np.ndarray:
         """Tokens `start .. start + count - 1` of the file, (count,) of its dtype; TokenFileChangedError if
@@ -104,9 +108,9 @@ class TokenWindows:
     def _read_bytes(self, offsets: np.ndarray, size: int) -> bytes:
         """`size` bytes from each byte offset of `offsets`, concatenated, after checking the file's size:
         a file that is no longer the one opened (another size, or a short read) raises TokenFileChangedError."""
-        if self._file is None:
-            self._file = self._open()
-        fd = self._file.fileno()
+        if self._fd is None:
+            self._fd = self._open()
+        fd = self._fd
         if os.fstat(fd).st_size == self.size:
             chunks = [os.pread(fd, size, int(offset)) for offset in offsets]
             if all(len(chunk) == size for chunk in chunks):

@@ -363,6 +363,9 @@ class Checkpointer:
                 f"checkpoint {step_number} in {self.directory!r} was written by a different run ("
                 + "; ".join(diffs) + "); use another --workdir or the original configuration.")
         canonical = step.canonical(like)
+        other = self._diagnosis.other_structure(step_number, canonical)
+        if other is not None:  # before orbax's restore, which fails on it with a trail of warnings
+            raise other
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), canonical)
         try:
             restored = self._manager.restore(step_number, args=ocp.args.Composite(
