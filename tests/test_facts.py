@@ -45,6 +45,8 @@ def test_the_data_joins_the_identity_and_the_agreed_sizes_and_digests():
     assert named.data_facts()["the training data's digest (read from 'a/train.bin')"] == facts.identity["data"][
         "train_arrays_sha256"] and named.data_facts()["the held-out data's digest"] is None
     assert facts.config_hash == config_hash(load_config(None))  # the hash stays the config's
+    seeded = RunFacts.of(load_config(None, ["train.seed=7"]), jax.devices()[:1]).agreed
+    assert seeded["train.seed"] == 7 and seeded["optim.lr"] == load_config(None).optim.lr  # fields, named on a refusal
 
 
 @pytest.mark.parametrize("schedule, refused", [("cosine", True), ("constant", False)])

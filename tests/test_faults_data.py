@@ -207,3 +207,45 @@ def test_a_full_tmpfs_during_a_checkpoint_write_is_one_sentence_and_the_run_resu
         "limit)" in full and "every checkpoint saved before it is intact" in full, full[-3000:]
     assert full.count("jdp: error:") == 1 and "RESOURCE_EXHAUSTED" not in full, full[-3000:]
     assert "rc=0" in freed and "done at step 6 of 6" in freed, freed[-3000:]
+
+
+def test_a_bad_token_id_found_late_through_the_api_checkpoints_first(tmp_path):
+    from jdp.config import load_config
+    from jdp.train import DataStoppedError, train
+
+    path = tmp_path / "train.bin"
+    bad_id_in_step(path, 200_000, step=3)
+    config = load_config(None, [*TINY, f"data.path={path}", "train.steps=4", "train.checkpoint_every=0",
+                                "parallel.devices=2"])
+    with pytest.raises(DataStoppedError, match=r"training stopped before step 3, whose batch could not be read: .*"
+                                               r"the 2 steps before it are saved in checkpoint 2$"):
+        train(config, str(tmp_path / "w"), log=lambda *a: None, progress=False)
+    assert checkpoints(tmp_path / "w") == [2]
+
+
+FATAL = """W1201 21:45:40.251122   13992 coordination_service.cc:388] a warning, shown
+F1201 21:45:40.252760   13669 client.h:80] Terminating process because the JAX distributed service detected fatal \
+errors. absl::Status: ALREADY_EXISTS: Aborted connect attempt as there is a request from a newer incarnation.
+
+RPC: /xla.coordination.CoordinationService/RegisterTask
+*** Check failure stack trace: ***
+    @     0x7f409e840634  absl::lts_20260107::log_internal::LogMessage::SendToLog()
+"""
+
+
+def test_the_supervisor_hides_a_cpp_abort_and_names_a_duplicated_process_id(capsys):
+    import io
+
+    from jdp.run.supervisor import _Relay, abnormal_end
+
+    relay = _Relay(io.StringIO(FATAL))
+    relay.thread.join(timeout=5)
+    assert capsys.readouterr().err == FATAL.splitlines(keepends=True)[0]  # the warning only, no stack dump
+    assert "".join(relay.hidden) == "".join(FATAL.splitlines(keepends=True)[1:])
+    said = abnormal_end(1, -6, "".join(relay.tail), 10, num_processes=3, init_timeout=60)
+    assert said == ("process 1 was refused by the coordinator (SIGABRT): another process joined with the same "
+                    "--process-id 1; every process of a job needs its own id: stop every process of this job and "
+                    "start each --process-id from 0 to 2 exactly once.")
+    waited = "absl::Status: DEADLINE_EXCEEDED: Deadline Exceeded\n\nRPC: /xla.coordination.CoordinationService/RegisterTask\n"
+    assert abnormal_end(0, -6, waited, 10, num_processes=3, init_timeout=60).startswith(
+        "process 0 stopped (SIGABRT) because not every process joined within --init-timeout 60 s; stop every process")
