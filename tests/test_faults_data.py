@@ -1,8 +1,9 @@
 """Data that changes or turns out bad under a run, and a disk that fills, met as a user meets them:
 `jdp train` in a real process, real token files truncated while it trains, a real tmpfs filled up.
 
-The cheap API-level halves (a changed file, a too-narrow dtype, another model's checkpoint, the
-words of a full disk) run in the quick tier; each process here has a hard timeout.
+The cheap halves (a changed file, a too-narrow dtype, another model's checkpoint, the words of a
+full disk, the supervisor's sentence for a --process-id given twice) run in the quick tier; each
+process here has a hard timeout.
 """
 import errno
 import os
