@@ -346,7 +346,7 @@ def test_worker_processes_reopen_file_sources_and_give_the_same_batches(source):
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="RssAnon is read from Linux's /proc")
 def test_a_token_file_is_never_read_whole(tmp_path):
     # A fresh process opens a 512 MiB sparse token file and reads 200 batches of 64 windows: its
-    # anonymous memory grows by far less than the file (page-cache pages of the map are not anonymous).
+    # anonymous memory grows by far less than the file (the page cache of its reads is not anonymous).
     path = tmp_path / "big.bin"
     with open(path, "wb") as f:
         f.truncate(512 * 2**20)

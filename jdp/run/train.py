@@ -113,7 +113,9 @@ def train(config: Config, workdir: str, *, devices=None, log=print, progress: bo
     all processes agree on. The run holds `workdir` (`jdp.run.lock`) and handles SIGTERM/SIGINT until
     every checkpoint write has finished; the last checkpoint is written and awaited before the
     final evaluation, and a failing evaluation or metrics write checkpoints its step first (one
-    process), so neither costs trained steps. A run already complete trains nothing and evaluates
+    process), so neither costs trained steps; a batch that cannot be read once training has started
+    (a token file changed under the run, an id ≥ vocab_size found late) checkpoints the step before
+    it and raises DataStoppedError. A run already complete trains nothing and evaluates
     the restored state. Raises ValueError for an invalid config, a workdir another live run holds,
     another run's checkpoint (train.steps counts only where the schedule uses it) or one past
     train.steps, before anything is written, and NonFiniteError after `train.max_nonfinite`
