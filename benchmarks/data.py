@@ -9,8 +9,8 @@
   (configs/char_gpt.yaml's model) on 2 fake CPU devices. Target: loader ≥ 5× the step.
 - Anonymous memory (RssAnon, from /proc/self/status) of a fresh process that opens a token file
   and reads batches from it, for a 10 MB and a 1 GB file (sparse files in a temporary directory:
-  zero token ids, no disk space): flat as the file grows. VmRSS is shown too; it also counts the
-  file pages the kernel reads ahead for the map, which are page cache.
+  zero token ids, no disk space): flat as the file grows. VmRSS is shown too (with the memory map
+  jdp used before `os.pread`, it also counted the file pages the kernel read ahead: page cache).
 
     python -m benchmarks.data memory FILE BATCHES   # one memory measurement (what part 7 runs)
 """

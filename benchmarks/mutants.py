@@ -293,7 +293,7 @@ MUTANTS = [
            "if False:",  # a trailing half token is silently dropped
            ("tests/test_data_sources.py", "-k", "bad_token_files")),
     Mutant("token_digest_skips_content", "data/tokens.py",
-           "h.update(np.ascontiguousarray(raw[start:start + block]).data)",
+           'h.update(self._read_bytes(starts, block) if block else b"")',
            "h.update(b'')",  # the digest sees only the size and settings
            ("tests/test_data_sources.py::test_the_token_digest_reads_a_sample_and_sees_size_and_content",)),
     Mutant("token_sample_not_checked", "data/tokens.py",
@@ -305,8 +305,9 @@ MUTANTS = [
            'digest = tree_digest(arrays) if hasattr(data, "arrays") else hashlib.sha256(b"").hexdigest()',
            ("tests/test_tokens_train.py::test_the_run_identity_hashes_arrays_as_before_and_a_token_file_by_its_sample",)),
     Mutant("token_file_read_whole", "data/tokens.py",
-           'self._tokens = np.memmap(self.path, dtype=self.dtype, mode="r", shape=(self.num_tokens,))',
-           "self._tokens = np.fromfile(self.path, dtype=self.dtype)",  # the same batches, the file in memory
+           "chunks = [os.pread(fd, size, int(offset)) for offset in offsets]",
+           "self._whole = getattr(self, '_whole', None) or os.pread(fd, self.size, 0); "
+           "chunks = [self._whole[int(o):int(o) + size] for o in offsets]",  # the same batches, the file in memory
            ("tests/test_data_sources.py::test_a_token_file_is_never_read_whole",)),
     Mutant("trainer_drops_the_transform", "run/train.py",
            "workers=d.workers, transform=task.transform,",
@@ -420,9 +421,9 @@ MUTANTS = [
            "return itstime(step, self.log_every, end)",  # one cadence read for another
            ("tests/test_facts.py::test_one_rule_says_which_steps_log_evaluate_and_checkpoint",)),
     Mutant("data_digest_left_out_of_facts", "run/facts.py",
-           "identity=with_data_digest(self.identity, train),",
-           "identity=self.identity,",  # a resume on other data would pass
-           ("tests/test_facts.py::test_the_data_joins_the_identity_and_the_agreed_sizes",)),
+           "identity = with_data_digest(self.identity, train)",
+           'identity = {**self.identity, "data": {**self.identity["data"], "train_arrays_sha256": "0" * 16}}',
+           ("tests/test_facts.py::test_the_data_joins_the_identity_and_the_agreed_sizes_and_digests",)),
     Mutant("failed_save_tasks_print_at_exit", "run/cli.py",
            "logging.getLogger(\"asyncio\").addFilter(",
            "(lambda f: None)(",  # asyncio's tracebacks of the failed save's other writes print again
@@ -520,6 +521,46 @@ MUTANTS = [
            "            self._tracker.write(record)\n",
            "            pass\n",
            ("tests/test_observe.py::test_a_wandb_offline_run_holds_the_config_every_record_and_the_runs_identity",)),
+    Mutant("token_file_size_unchecked", "data/tokens.py",
+           "if os.fstat(fd).st_size == self.size:",
+           "if True:",  # a token file rewritten under the run is read as if it were the one opened
+           ("tests/test_faults_data.py::test_a_token_file_that_changes_size_is_refused_at_the_next_batch",)),
+    Mutant("token_open_error_escapes", "data/tokens.py",
+           'getattr(os, "O_CLOEXEC", 0))\n        except OSError as e:',
+           'getattr(os, "O_CLOEXEC", 0))\n        except FileNotFoundError as e:',  # PermissionError: a traceback
+           ("tests/test_faults_data.py::test_an_unreadable_token_file_is_one_sentence_exit_2_before_anything_is_written",)),
+    Mutant("token_dtype_too_narrow_accepted", "data/tokens.py",
+           "if vocab_size > DTYPE_IDS[dtype.name]:",
+           "if vocab_size > DTYPE_IDS[dtype.name] ** 2:",  # uint8 ids read for a 50304-id vocabulary
+           ("tests/test_faults_data.py::test_a_dtype_too_narrow_for_the_vocabulary_is_refused_naming_the_likely_one",)),
+    Mutant("late_data_error_not_checkpointed", "run/train.py",
+           "self.save(trained, state, wait=True)",
+           "pass",  # a bad id found at step 5 loses steps 1-4
+           ("tests/test_faults_data.py::test_a_bad_token_id_found_late_through_the_api_checkpoints_first",)),
+    Mutant("agreement_without_data_digests", "run/facts.py",
+           "data[f\"the {what}'s digest\" + (f\" (read from {path!r})\" if path else \"\")] = digest",
+           "pass",  # two hosts with different copies of train.bin train on a mix of both
+           ("tests/test_facts.py::test_the_data_joins_the_identity_and_the_agreed_sizes_and_digests",)),
+    Mutant("agreement_names_only_the_digest", "run/facts.py",
+           'agreed |= {f"{section}.{key}": value for section, fields in identity.items() for key, value in fields.items()}',
+           "agreed |= {}",  # another train.seed is refused naming only the "config" digests
+           ("tests/test_facts.py::test_the_data_joins_the_identity_and_the_agreed_sizes_and_digests",)),
+    Mutant("optimizer_state_compared_before_params", "run/checkpoint.py",
+           'for part, what in (("params", "params"), ("model_state", "a model state"), ("opt_state", "an optimizer state")):',
+           'for part, what in (("opt_state", "an optimizer state"), ("params", "params"), ("model_state", "a model state")):',
+           ("tests/test_faults_data.py::test_another_models_checkpoint_is_named_as_another_model_in_every_layout[fsdp]",)),
+    Mutant("ocdbt_resource_exhausted_not_out_of_space", "run/checkpoint.py",
+           'if found is None and re.search(r"RESOURCE_EXHAUSTED',
+           'if False and re.search(r"RESOURCE_EXHAUSTED',  # a full disk reported by OCDBT's writer: a traceback
+           ("tests/test_faults_data.py::test_orbax_ocdbt_resource_exhausted_without_an_os_error_is_out_of_space",)),
+    Mutant("cpp_abort_shown_on_the_console", "run/supervisor.py",
+           "if self.hidden or _FATAL.match(line):",
+           "if False:",  # jax's SIGABRT stack dump printed on the console again
+           ("tests/test_faults_data.py::test_the_supervisor_hides_a_cpp_abort_and_names_a_duplicated_process_id",)),
+    Mutant("duplicate_process_id_unnamed", "run/supervisor.py",
+           "if _DUPLICATE in stderr_tail:",
+           "if False:",  # a --process-id given twice gets "restart with the same command", which fails again
+           ("tests/test_faults_data.py::test_the_supervisor_hides_a_cpp_abort_and_names_a_duplicated_process_id",)),
 ]
 
 

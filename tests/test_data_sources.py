@@ -119,7 +119,7 @@ def test_non_array_sources_use_the_bijection_and_arrays_keep_the_permutation(tok
     tokens = load_tokens(token_file, context_length=10)
     first = next(make_batches(tokens, 8, seed=3, prefetch=0))
     expected = shuffled_positions(3, 0, len(tokens), np.arange(8))
-    np.testing.assert_array_equal(first["x"][:, 0], [tokens.tokens[i * 10] for i in expected])
+    np.testing.assert_array_equal(first["x"][:, 0], [tokens.read(i * 10, 1)[0] for i in expected])
     assert make_batches(tokens, 8).get_state()["order"] == "bijection"
     assert make_batches({"x": np.arange(10)}, 2).get_state()["order"] == "permutation"
     as_perm = next(make_batches(tokens, 8, seed=3, order="permutation", prefetch=0))
@@ -348,7 +348,7 @@ def test_worker_processes_reopen_file_sources_and_give_the_same_batches(source):
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="RssAnon is read from Linux's /proc")
 def test_a_token_file_is_never_read_whole(tmp_path):
     # A fresh process opens a 512 MiB sparse token file and reads 200 batches of 64 windows: its
-    # anonymous memory grows by far less than the file (page-cache pages of the map are not anonymous).
+    # anonymous memory grows by far less than the file (the page cache of its reads is not anonymous).
     path = tmp_path / "big.bin"
     with open(path, "wb") as f:
         f.truncate(512 * 2**20)

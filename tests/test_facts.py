@@ -47,12 +47,20 @@ def test_a_stop_asked_by_any_one_process_is_every_process_decision(monkeypatch, 
         assert distributed.any_process(mine) is any(flags)
 
 
-def test_the_data_joins_the_identity_and_the_agreed_sizes():
+def test_the_data_joins_the_identity_and_the_agreed_sizes_and_digests():
     arrays = ArrayDataset({"x": np.arange(12, dtype=np.float32).reshape(6, 2), "y": np.arange(6)})
     facts = RunFacts.of(load_config(None), jax.devices()[:1]).with_data(arrays, ArrayDataset({"x": np.zeros((2, 2))}))
     assert facts.identity == with_data_digest(run_identity(load_config(None)), arrays)
-    assert facts.data_sizes() == {"train_examples": 6, "test_examples": 2}
+    held_out = with_data_digest({}, ArrayDataset({"x": np.zeros((2, 2))}))["data"]["train_arrays_sha256"]
+    assert facts.data_facts() == {"train_examples": 6, "test_examples": 2,
+                                  "the training data's digest": facts.identity["data"]["train_arrays_sha256"],
+                                  "the held-out data's digest": held_out}
+    named = RunFacts.of(load_config(None), jax.devices()[:1]).with_data(arrays, paths=("a/train.bin", None))
+    assert named.data_facts()["the training data's digest (read from 'a/train.bin')"] == facts.identity["data"][
+        "train_arrays_sha256"] and named.data_facts()["the held-out data's digest"] is None
     assert facts.config_hash == config_hash(load_config(None))  # the hash stays the config's
+    seeded = RunFacts.of(load_config(None, ["train.seed=7"]), jax.devices()[:1]).agreed
+    assert seeded["train.seed"] == 7 and seeded["optim.lr"] == load_config(None).optim.lr  # fields, named on a refusal
 
 
 @pytest.mark.parametrize("schedule, refused", [("cosine", True), ("constant", False)])

@@ -218,16 +218,66 @@ def test_unreachable_coordinator_is_a_clear_error():
 
 
 def test_processes_that_disagree_stop_naming_the_difference(tmp_path):
+    # Another seed and learning rate: both named as fields, with each process's value, not as digests.
     port = free_port()
     procs = [subprocess.Popen(jdp_train("--workdir", str(tmp_path / "d"), "--steps", "4", "--devices", "2",
                                         "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
-                                        "--process-id", str(i), "--set", f"optim.lr={lr}"),
+                                        "--process-id", str(i), "--set", f"optim.lr={lr}", "--set", f"train.seed={seed}"),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
-             for i, lr in enumerate(("0.003", "0.001"))]
+             for i, (lr, seed) in enumerate((("0.003", "0"), ("0.001", "1")))]
     results = finish(procs, timeout=120)
     for code, _, err in results:
-        assert code == 2, err[-1500:]
-        assert "processes disagree about the run (config: process 0" in err and "Traceback" not in err
+        assert code == 2 and "Traceback" not in err, err[-1500:]
+        assert ("processes disagree about the run (optim.lr: process 0 0.003, process 1 0.001; train.seed: process 0 "
+                "0, process 1 1); start them all") in err, err[-1500:]
+
+
+def test_processes_reading_different_data_behind_one_path_are_refused_before_any_step(tmp_path):
+    # Each "host" has its own copy of train.bin (its own working directory): same size, other tokens.
+    tiny = ["model.name=gpt", "data.name=tokens", "data.vocab_size=64", "model.d_model=16", "model.n_heads=2",
+            "model.n_layers=1", "model.context=8", "data.batch_size=16", "data.path=train.bin"]
+    port, work = free_port(), tmp_path / "w"
+    env = {**ENV, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, ENV.get("PYTHONPATH")]))}
+    procs = []
+    for i in range(2):
+        host = tmp_path / f"host{i}"
+        host.mkdir()
+        np.random.default_rng(i).integers(0, 64, 5000).astype(np.uint16).tofile(host / "train.bin")
+        procs.append(subprocess.Popen(
+            jdp_train("--workdir", str(work), "--steps", "4", "--devices", "2", "--coordinator", f"127.0.0.1:{port}",
+                      "--num-processes", "2", "--process-id", str(i), "--init-timeout", "30",
+                      *[x for o in tiny for x in ("--set", o)]),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=host))
+    for code, _, err in finish(procs, timeout=120):
+        assert code == 2 and "Traceback" not in err, err[-1500:]
+        assert ("the training data's digest (read from 'train.bin'): process 0 'b08afc2444de9c70', process 1 "
+                "'c5a028712627e0cb')") in err, err  # the digests docs/reliability.md shows
+    assert not os.path.exists(work / "metrics.jsonl") and not os.path.exists(work / "checkpoints")
+
+
+def test_a_process_id_given_twice_is_named_without_a_stack_dump(tmp_path):
+    port, work = free_port(), tmp_path / "w"
+    procs = []
+    for i in (0, 1, 1):  # the second process 1 was meant to be process 2
+        procs.append(subprocess.Popen(jdp_train("--workdir", str(work), "--steps", "2", "--devices", "1",
+                                                "--coordinator", f"127.0.0.1:{port}", "--num-processes", "3",
+                                                "--process-id", str(i), "--init-timeout", "10"),
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT))
+        time.sleep(1.0)  # the first process 1 registers before the second
+    results = finish(procs, timeout=120)
+    for code, _, err in results:
+        assert code == 1 and "Check failure stack trace" not in err and "@     0x" not in err, err[-1500:]
+        assert err.count("jdp: error:") == 1 and "Traceback" not in err, err[-1500:]
+    refused = [err for _, _, err in results if "another process joined with the same --process-id 1" in err]
+    assert len(refused) == 1, [err[-600:] for _, _, err in results]
+    assert "start each --process-id from 0 to 2 exactly once" in refused[0]
+    others = [err for _, _, err in results if err not in refused]
+    assert all("not every process joined within --init-timeout 10 s" in err for err in others), others
+    logs = sorted(os.listdir(work))
+    assert len([n for n in logs if n.startswith("jdp-process-")]) == 3, logs
+    for name in logs:
+        with open(work / name) as f:
+            assert "Check failure stack trace" in f.read()
 
 
 def test_processes_with_another_schedule_or_device_count_are_refused_before_any_step(tmp_path):

@@ -1,4 +1,4 @@
-"""Token files as a source: a flat binary file of token ids (nanoGPT's `train.bin`/`val.bin`), memory-mapped.
+"""Token files as a source: a flat binary file of token ids (nanoGPT's `train.bin`/`val.bin`), read window by window.
 
 The format in one sentence: the file is the token ids of the corpus, one after another, each an
 unsigned integer of `dtype` (uint16 by default) in the machine's byte order, with no header.
@@ -10,14 +10,17 @@ they tile the file without overlap, so one epoch (m windows in the epoch's order
 token from position 1 to m·T exactly once; the last (N - 1) mod T tokens are never targets, and
 token 0 never is (it has no predecessor).
 
-The file is never read whole: the map is opened once and each batch reads only its windows' pages
-(fancy indexing of the map), so the process's anonymous memory (RssAnon) does not grow with the
-file; the pages the kernel reads ahead are page cache, which it reclaims.
+The file is never read whole: it is opened once and each batch reads only its windows (one
+`os.pread` each), so the process's anonymous memory (RssAnon) does not grow with the file. Reads,
+not a memory map: a map of a file that shrinks under it kills the process with SIGBUS, with no
+Python exception; here every batch compares the file's size with the size it had when opened and
+a changed file raises `TokenFileChangedError`, naming both sizes.
 """
 from __future__ import annotations
 
 import hashlib
 import os
+import weakref
 
 import numpy as np
 
@@ -25,6 +28,7 @@ from jdp.data.checks import check_int
 from jdp.text import quoted
 
 TOKEN_DTYPES = ("uint8", "uint16", "uint32")
+DTYPE_IDS = {"uint8": 1 << 8, "uint16": 1 << 16, "uint32": 1 << 32}  # how many ids each dtype can hold
 SAMPLE_BLOCKS = 32  # blocks of SAMPLE_TOKENS token ids checked against vocab_size when the file is opened
 SAMPLE_TOKENS = 4096
 DIGEST_BLOCKS = 16  # blocks of DIGEST_BYTES hashed by digest(), evenly spaced, the first and last included
@@ -38,8 +42,22 @@ def _dtype(dtype) -> np.dtype:
     return np.dtype(name)
 
 
+class TokenFileChangedError(ValueError):
+    """The token file's size changed after it was opened (rewritten under the run): its windows are no longer those trained on."""
+
+
+def _check_vocab_fits(dtype: np.dtype, vocab_size: int, where: str) -> None:
+    """A file of `dtype` ids cannot hold ids up to vocab_size - 1 beyond the dtype's range: the file is
+    then probably of a wider dtype (a uint16 file of GPT-2 ids read as uint8 trains on byte pairs)."""
+    if vocab_size > DTYPE_IDS[dtype.name]:
+        wider = next(name for name in TOKEN_DTYPES if DTYPE_IDS[name] >= vocab_size)
+        raise ValueError(f"a {dtype.name} token file cannot hold ids up to vocab_size - 1 = {vocab_size - 1} (at "
+                         f"most {DTYPE_IDS[dtype.name] - 1}), so {where} is probably {wider}; set data.dtype "
+                         f"(dtype=) to the dtype it was written in.")
+
+
 class TokenWindows:
-    """(x, y) windows over a memory-mapped token file: `{"x": (T,), "y": (T,)}` int32, see the module's docstring."""
+    """(x, y) windows over a token file: `{"x": (T,), "y": (T,)}` int32, see the module's docstring."""
 
     default_order = "bijection"
 
@@ -51,9 +69,12 @@ class TokenWindows:
         self.stride = self.context_length if stride is None else check_int("stride", stride, 1)
         self.vocab_size = None if vocab_size is None else check_int("vocab_size", vocab_size, 1)
         where = quoted(self.path)
+        if self.vocab_size is not None:
+            _check_vocab_fits(self.dtype, self.vocab_size, f"the token file {where}")
         if not os.path.isfile(self.path):
             raise ValueError(f"no such token file: {where}.")
-        size = os.path.getsize(self.path)
+        self._fd = self._open()
+        size = self.size = os.fstat(self._fd).st_size
         if size % self.dtype.itemsize:
             raise ValueError(f"token file {where} holds {size} bytes, not a whole number of {self.dtype.name} tokens "
                              f"({self.dtype.itemsize} bytes each); it is damaged or holds another dtype.")
@@ -61,19 +82,46 @@ class TokenWindows:
         if self.num_tokens < self.context_length + 1:
             raise ValueError(f"token file {where} holds {self.num_tokens} tokens, fewer than one window of "
                              f"context_length + 1 = {self.context_length + 1} tokens.")
-        self._tokens = None
         if self.vocab_size is not None:
             self._check_sample()
 
-    @property
-    def tokens(self) -> np.memmap:
-        """The whole file as a read-only (N,) memory map, opened on first use (so also in a worker process)."""
-        if self._tokens is None:
-            self._tokens = np.memmap(self.path, dtype=self.dtype, mode="r", shape=(self.num_tokens,))
-        return self._tokens
+    def _open(self) -> int:
+        """A descriptor of the file, open for reading (closed with this object); any OSError (permission,
+        I/O) as one sentence naming the file."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError as e:
+            raise ValueError(f"token file {quoted(self.path)} cannot be opened ({e.strerror or e}); give this "
+                             f"user read permission on it, or name another data file.") from None
+        weakref.finalize(self, os.close, fd)
+        return fd
 
-    def __getstate__(self):  # a worker process reopens the map instead of receiving the tokens
-        return {**self.__dict__, "_tokens": None}
+    def __getstate__(self):  # a worker process reopens the file instead of receiving the open one
+        return {**self.__dict__, "_fd": None}
+
+    def read(self, start: int, count: int) -> np.ndarray:
+        """Tokens `start .. start + count - 1` of the file, (count,) of its dtype; TokenFileChangedError if
+        the file no longer holds them."""
+        size = self.dtype.itemsize
+        return np.frombuffer(self._read_bytes(np.array([start * size]), count * size), self.dtype)
+
+    def _read_bytes(self, offsets: np.ndarray, size: int) -> bytes:
+        """`size` bytes from each byte offset of `offsets`, concatenated, after checking the file's size:
+        a file that is no longer the one opened (another size, or a short read) raises TokenFileChangedError."""
+        if self._fd is None:
+            self._fd = self._open()
+        fd = self._fd
+        if os.fstat(fd).st_size == self.size:
+            chunks = [os.pread(fd, size, int(offset)) for offset in offsets]
+            if all(len(chunk) == size for chunk in chunks):
+                return b"".join(chunks)
+        self._changed(os.fstat(fd).st_size)
+
+    def _changed(self, now: int):
+        raise TokenFileChangedError(
+            f"token file {quoted(self.path)} changed while the run read it: it held {self.size} bytes when opened "
+            f"and holds {now} now (was it rewritten, e.g. tokenized again?); its windows are no longer those "
+            f"trained on: train on the new file in another --workdir, or restore the old one to resume.")
 
     def __len__(self) -> int:
         """m = (N - T - 1) // stride + 1 windows."""
@@ -85,7 +133,7 @@ class TokenWindows:
         return {k: v[0] for k, v in batch.items()}
 
     def take(self, indices: np.ndarray) -> dict[str, np.ndarray]:
-        """Windows `indices` (shape (k,)): `{"x", "y"}` int32 of shape (k, T), read from their pages only.
+        """Windows `indices` (shape (k,)): `{"x", "y"}` int32 of shape (k, T), one read (`os.pread`) per window.
 
         With vocab_size set, a token id ≥ vocab_size in them raises ValueError naming its position.
         """
@@ -93,7 +141,8 @@ class TokenWindows:
         if indices.size and (indices.min() < 0 or indices.max() >= len(self)):
             raise ValueError(f"window indices must lie in [0, {len(self)}), got {indices.min()} to {indices.max()}.")
         starts = indices * self.stride
-        windows = self.tokens[starts[:, None] + np.arange(self.context_length + 1)]  # (k, T + 1)
+        raw = self._read_bytes(starts * self.dtype.itemsize, (self.context_length + 1) * self.dtype.itemsize)
+        windows = np.frombuffer(raw, self.dtype).reshape(len(starts), self.context_length + 1)  # (k, T + 1)
         if self.vocab_size is not None and windows.size and windows.max() >= self.vocab_size:
             row, col = np.unravel_index(int(np.argmax(windows >= self.vocab_size)), windows.shape)
             self._bad_token(int(windows[row, col]), int(starts[row] + col))
@@ -109,7 +158,7 @@ class TokenWindows:
         """Token ids below vocab_size in SAMPLE_BLOCKS evenly spaced blocks (the first and last included)."""
         n, block = self.num_tokens, min(SAMPLE_TOKENS, self.num_tokens)
         for start in np.unique(np.linspace(0, n - block, SAMPLE_BLOCKS).astype(np.int64)):
-            chunk = self.tokens[start:start + block]
+            chunk = self.read(start, block)
             if chunk.max() >= self.vocab_size:
                 at = int(np.argmax(chunk >= self.vocab_size))
                 self._bad_token(int(chunk[at]), int(start) + at)
@@ -127,10 +176,9 @@ class TokenWindows:
         """
         size = self.num_tokens * self.dtype.itemsize
         h = hashlib.sha256(f"tokens|{size}|{self.dtype.str}|{self.context_length}|{self.stride}\n".encode())
-        raw = self.tokens.view(np.uint8) if size else np.empty(0, np.uint8)
         block = min(DIGEST_BYTES, size)
-        for start in np.unique(np.linspace(0, size - block, DIGEST_BLOCKS).astype(np.int64)):
-            h.update(np.ascontiguousarray(raw[start:start + block]).data)
+        starts = np.unique(np.linspace(0, size - block, DIGEST_BLOCKS).astype(np.int64))
+        h.update(self._read_bytes(starts, block) if block else b"")
         return h.hexdigest()
 
 
@@ -141,7 +189,9 @@ def load_tokens(path: str | os.PathLike, *, context_length: int, dtype="uint16",
     `context_length` T; `stride` between window starts (default T: windows tile the file, see
     `jdp.data.tokens`); `dtype` of the file's ids: "uint8", "uint16" (nanoGPT's) or "uint32".
     With `vocab_size`, ids ≥ vocab_size are refused: in a sample of the file now, and in every
-    batch as it is read. Raises ValueError for a missing file, a size that is not a whole number
-    of tokens, a file shorter than one window (T + 1 tokens), or a sampled id ≥ vocab_size.
+    batch as it is read; so is a `dtype` too narrow for them (uint8 with vocab_size > 256). Raises
+    ValueError for a missing or unreadable file, a size that is not a whole number of tokens, a
+    file shorter than one window (T + 1 tokens), or a sampled id ≥ vocab_size; reading a batch
+    raises `TokenFileChangedError` (a ValueError) once the file's size differs from its size now.
     """
     return TokenWindows(path, context_length=context_length, dtype=dtype, stride=stride, vocab_size=vocab_size)

@@ -64,7 +64,8 @@ _NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 def _out_of_space_code(error: BaseException) -> int | None:
     """The errno of `error` or its causes when it is a write that ran out of space, else None.
 
-    Tensorstore reports the OS error inside a ValueError's text (`[os_error_code='28']`).
+    Tensorstore reports the OS error inside a ValueError's text (`[os_error_code='28']`), or only as
+    its status, `RESOURCE_EXHAUSTED: Error writing ...` (OCDBT's writer): that counts as ENOSPC.
     """
     for e in _chain(error):
         if isinstance(e, OSError) and e.errno in _NO_SPACE:
@@ -72,6 +73,8 @@ def _out_of_space_code(error: BaseException) -> int | None:
         found = re.search(r"os_error_code='(\d+)'", str(e))
         if found and int(found.group(1)) in _NO_SPACE:
             return int(found.group(1))
+        if found is None and re.search(r"RESOURCE_EXHAUSTED: (Error writing|Failed writing|Failed to write)", str(e)):
+            return errno.ENOSPC  # tensorstore's status for a write with no room, when it names no OS error
     return None
 
 
@@ -253,7 +256,9 @@ class _Diagnosis:
             return None
         if not (isinstance(saved, dict) and {"params", "opt_state"} <= saved.keys() and _structure(saved["params"])):
             return None  # a damaged or truncated state: not a question of structure
-        for part, what in (("opt_state", "an optimizer state"), ("params", "params"), ("model_state", "a model state")):
+        # The params first: an optimizer state of another shape (Adam's moments have the params' shapes)
+        # follows from another model, and the model is then what differs.
+        for part, what in (("params", "params"), ("model_state", "a model state"), ("opt_state", "an optimizer state")):
             theirs, mine = _structure(saved.get(part) if isinstance(saved, dict) else None), _structure(
                 getattr(canonical, part))
             if theirs != mine:
@@ -358,6 +363,9 @@ class Checkpointer:
                 f"checkpoint {step_number} in {self.directory!r} was written by a different run ("
                 + "; ".join(diffs) + "); use another --workdir or the original configuration.")
         canonical = step.canonical(like)
+        other = self._diagnosis.other_structure(step_number, canonical)
+        if other is not None:  # before orbax's restore, which fails on it with a trail of warnings
+            raise other
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), canonical)
         try:
             restored = self._manager.restore(step_number, args=ocp.args.Composite(

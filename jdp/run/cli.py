@@ -9,6 +9,7 @@ import sys
 from jdp import __version__
 from jdp.run.commands import add_configs_parser, add_data_parser, cmd_configs, cmd_data
 from jdp.run.exits import INTERRUPTED, run_quietly
+from jdp.run.supervisor import SUPERVISED
 
 
 def _positive_int(text: str) -> int:
@@ -186,6 +187,12 @@ def _quiet_failed_save_tasks() -> None:
     logging.getLogger("asyncio").addFilter(lambda record: not record.getMessage().startswith(never_retrieved))
 
 
+def train_workdir(args) -> str:
+    """`jdp train`'s workdir: --workdir, or runs/<config name>."""
+    name = os.path.splitext(os.path.basename(args.config))[0] if args.config else "digits_mlp"
+    return os.path.join("runs", name) if args.workdir is None else args.workdir
+
+
 def cmd_train(args) -> int:
     import os
 
@@ -195,12 +202,11 @@ def cmd_train(args) -> int:
     config, devices = _train_config_and_devices(args)
     # Imported once the devices are set up: the fake CPU devices must be asked for before jax starts.
     from jdp.run.checkpoint import CheckpointWriteError, NonFiniteStateError
-    from jdp.run.train import EvaluationOutOfMemoryError, NonFiniteError, train
+    from jdp.run.train import DataStoppedError, EvaluationOutOfMemoryError, NonFiniteError, train
 
     allow_cpu = _cpu_asked_for(args, config, devices)
     _quiet_closed_loop_callbacks()
-    name = os.path.splitext(os.path.basename(args.config))[0] if args.config else "digits_mlp"
-    workdir = os.path.join("runs", name) if args.workdir is None else args.workdir
+    workdir = train_workdir(args)
     try:
         result = train(config, workdir, devices=devices, progress=not args.no_progress, stop_after=args.stop_after,
                        tensorboard=args.tensorboard, fallback_to_intact=args.fallback_to_intact, allow_cpu=allow_cpu,
@@ -208,7 +214,7 @@ def cmd_train(args) -> int:
     except (NonFiniteError, NonFiniteStateError) as e:
         print(f"jdp: {e}", file=sys.stderr)
         return 1
-    except EvaluationOutOfMemoryError as e:
+    except (EvaluationOutOfMemoryError, DataStoppedError) as e:
         print(f"jdp: error: {e}.", file=sys.stderr)
         return 1
     except CheckpointWriteError as e:
@@ -329,85 +335,6 @@ def cmd_config(args) -> int:
     return 0
 
 
-_SUPERVISED = "JDP_SUPERVISED"
-# jax's coordination service, when a peer's heartbeats stop (killed, stalled or cut off), lists
-# the task ids it gave up on on the line after this text.
-_NO_HEARTBEAT = "stopped sending heartbeats):"
-
-
-def _relay(stream, tail: list[str]) -> None:
-    """Copy the child's stderr to ours line by line, keeping the last lines in `tail`."""
-    for line in iter(stream.readline, ""):
-        sys.stderr.write(line)
-        sys.stderr.flush()
-        tail.append(line)
-        del tail[:-200]
-
-
-def unresponsive_peers(stderr_tail: str) -> list[int]:
-    """The process ids jax's coordination service reported as no longer sending heartbeats."""
-    at = stderr_tail.find(_NO_HEARTBEAT)
-    if at < 0:
-        return []
-    following = stderr_tail[at + len(_NO_HEARTBEAT):].strip().splitlines()
-    return sorted({int(p) for p in following[0].replace(",", " ").split() if p.isdigit()}) if following else []
-
-
-def abnormal_end(process_id, code: int, stderr_tail: str, heartbeat_s: int) -> str:
-    """The one sentence for a training process that ended abnormally (`code`: its return code)."""
-    how, me = signal_name(code), "this process" if process_id is None else f"process {process_id}"
-    peers = [p for p in unresponsive_peers(stderr_tail) if p != process_id]
-    if peers:
-        which = ", ".join(map(str, peers))
-        return (f"{me} stopped ({how}) because process {which} stopped responding (it may be "
-                f"stalled rather than dead): no heartbeat reached the coordinator for --heartbeat-timeout "
-                f"{heartbeat_s} s (raise it for processes that may pause); the checkpoints are intact, so restart "
-                f"every process with the same command to resume.")
-    return (f"{me} stopped abnormally ({how}): a peer process died, lost its connection, or the "
-            f"distributed runtime failed; the checkpoints are intact, so restart every process with the same "
-            f"command to resume.")
-
-
-def signal_name(code: int) -> str:
-    import signal
-
-    return signal.Signals(-code).name if code < 0 else f"exit code {code}"
-
-
-def supervise(argv: list[str], process_id, heartbeat_s: int = 10) -> int:
-    """Run this multi-process invocation in a child and explain an abnormal end in one sentence.
-
-    When a peer dies or stalls, jax's distributed runtime (or gloo) aborts the survivors from C++,
-    where no Python handler runs; the parent turns that into a message (naming the process that
-    stopped sending heartbeats, when jax's log says which) and exit code 1. SIGTERM/SIGINT are
-    forwarded, so preemption still reaches the training process.
-    """
-    import signal
-    import subprocess
-    import threading
-
-    def die_with_parent():  # Linux: a killed supervisor must not leave its training process behind
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-    child = subprocess.Popen([sys.executable, "-m", "jdp.run.cli", *argv], env={**os.environ, _SUPERVISED: "1"},
-                             stderr=subprocess.PIPE, text=True, errors="replace",
-                             preexec_fn=die_with_parent if sys.platform == "linux" else None)
-    tail: list[str] = []
-    relay = threading.Thread(target=_relay, args=(child.stderr, tail), daemon=True)
-    relay.start()
-    forward = lambda signum, frame: child.send_signal(signum)  # noqa: E731
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, forward)
-    code = child.wait()
-    relay.join(timeout=5)
-    if code < 0 or code > 2 and code != INTERRUPTED:  # 130: Ctrl-C, reported by the training process
-        print(f"jdp: error: {abnormal_end(process_id, code, ''.join(tail), heartbeat_s)}", file=sys.stderr)
-        return 1
-    return code
-
-
 def main(argv: list[str] | None = None) -> int:
     """`jdp ARGS`: the exit code. Ctrl-C ends with one line and 130 (in `jdp train`, after the
     step it stops at is checkpointed); a reader that closes the pipe (`| head`) ends it quietly
@@ -419,8 +346,11 @@ def _main(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     distributed = args.command == "train" and (args.coordinator is not None or args.auto_distributed)
-    if distributed and not os.environ.get(_SUPERVISED):
-        return supervise(argv, args.process_id, args.heartbeat_timeout)
+    if distributed and not os.environ.get(SUPERVISED):
+        from jdp.run.supervisor import supervise
+
+        return supervise(argv, args.process_id, args.heartbeat_timeout, workdir=train_workdir(args),
+                         num_processes=args.num_processes, init_timeout=args.init_timeout)
     try:
         return {"train": cmd_train, "explain": cmd_explain, "plot": cmd_plot, "config": cmd_config,
                 "configs": cmd_configs, "data": cmd_data}[args.command](args)

@@ -45,8 +45,9 @@ def _check_port_free(host: str, port: int) -> None:
         try:
             s.bind(("" if host in ("localhost", "127.0.0.1", "0.0.0.0") else host, port))
         except OSError as e:
-            raise ValueError(f"process 0 cannot host the coordinator on port {port} ({e.strerror}); "
-                             f"choose another --coordinator port.") from None
+            raise ValueError(f"process 0 cannot host the coordinator on port {port} ({e.strerror}): another "
+                             f"program holds it, or another process was started with --process-id 0; choose "
+                             f"another --coordinator port, or give each process its own --process-id.") from None
 
 
 def initialize(coordinator: str | None, num_processes: int | None, process_id: int | None, *,
@@ -108,10 +109,13 @@ def agree(facts: dict) -> None:
     digests = _gather(digest)
     if (digests == digests[0]).all():
         return
-    padded = np.zeros(4096, np.uint8)
-    padded[:min(len(blob), 4096)] = np.frombuffer(blob[:4096], np.uint8)
+    size = int(_gather(np.array([len(blob)], np.int64)).max())  # the longest process's facts
+    padded = np.zeros(size, np.uint8)
+    padded[:len(blob)] = np.frombuffer(blob, np.uint8)
     everyone = [json.loads(bytes(row).rstrip(b"\0")) for row in _gather(padded)]
     diffs = sorted({k for f in everyone for k in f if f.get(k) != everyone[0].get(k)})
+    if len(diffs) > 1 and "config" in diffs:  # the digest of fields named here anyway
+        diffs.remove("config")
     detail = "; ".join(f"{k}: " + ", ".join(f"process {i} {f.get(k)!r}" for i, f in enumerate(everyone))
                        for k in diffs)
     raise ValueError(f"the {len(everyone)} processes disagree about the run ({detail}); start them all with "

@@ -38,6 +38,7 @@ class RunFacts:
     schedule: str  # optim.schedule, named when a change of train.steps is refused
     agreed: dict  # what every process must pass equally to `jdp.run.distributed.agree` before its first step
     saved: dict  # what a checkpoint stores besides its identity: the whole config and the device count
+    data_keys: tuple = ()  # the keys of `agreed` that `with_data` added: the data's sizes and digests
 
     @classmethod
     def of(cls, config: Config, devices=None, *, stop_after: int | None = None,
@@ -49,8 +50,9 @@ class RunFacts:
         (train.checkpoint_every, keep_checkpoints), evaluations (train.eval_every,
         data.eval_batch_size), the step count (train.steps, `stop_after`), the non-finite stop
         (train.max_nonfinite), the layout (parallel.shard_optimizer_state, shard_params), the
-        fallback's moves (`fallback_to_intact`), and the global and this process's device counts.
-        Its keys are the config's dotted names, so a refusal names the field.
+        fallback's moves (`fallback_to_intact`), the global and this process's device counts, and every
+        field of the identity (as `section.key`). Its keys are the config's dotted names, so a refusal
+        names the field.
         """
         devices = list(devices or jax.devices())[:config.parallel.devices or None]
         d, t = config.to_dict(), config.train
@@ -59,20 +61,28 @@ class RunFacts:
         agreed = {dotted: d[dotted.split(".")[0]][dotted.split(".")[1]] for dotted in HASH_EXCLUDED}
         agreed |= {"config": identity_hash(identity), "train.steps": t.steps, "stop_after": stop_after,
                    "fallback_to_intact": fallback_to_intact, "devices": len(devices), "local devices": mine}
+        # The identity's fields too, so that a refusal names the field (train.seed), not only the digest.
+        agreed |= {f"{section}.{key}": value for section, fields in identity.items() for key, value in fields.items()}
         return cls(identity=identity, config_hash=agreed["config"], steps=t.steps, log_every=t.log_every,
                    eval_every=t.eval_every, checkpoint_every=t.checkpoint_every,
                    steps_in_identity=schedule_uses_steps(config), schedule=config.optim.schedule, agreed=agreed,
                    saved={"config": d, "devices": len(devices)})
 
-    def with_data(self, train, test=None) -> RunFacts:
-        """These facts with the training data's digest in the identity, and both sets' sizes agreed."""
-        sizes = {"train_examples": len(train), "test_examples": 0 if test is None else len(test)}
-        return dataclasses.replace(self, identity=with_data_digest(self.identity, train),
-                                   agreed={**self.agreed, **sizes})
+    def with_data(self, train, test=None, *, paths: tuple = (None, None)) -> RunFacts:
+        """These facts with the training data's digest in the identity, and both sets' sizes and digests
+        agreed (`paths`: the files they were read from, if any, named when the processes differ)."""
+        identity = with_data_digest(self.identity, train)
+        digests = [identity["data"]["train_arrays_sha256"],
+                   None if test is None else with_data_digest({}, test)["data"]["train_arrays_sha256"]]
+        data = {"train_examples": len(train), "test_examples": 0 if test is None else len(test)}
+        for what, path, digest in zip(("training data", "held-out data"), paths, digests):
+            data[f"the {what}'s digest" + (f" (read from {path!r})" if path else "")] = digest
+        return dataclasses.replace(self, identity=identity, agreed={**self.agreed, **data}, data_keys=tuple(data))
 
-    def data_sizes(self) -> dict:
-        """The sizes of the training and held-out sets, which every process must agree on once built."""
-        return {k: self.agreed[k] for k in ("train_examples", "test_examples")}
+    def data_facts(self) -> dict:
+        """The sizes and digests of the training and held-out sets, which every process must agree on once
+        built: each host may read its own copy of a file, and a copy that differs would mix two corpora."""
+        return {k: self.agreed[k] for k in self.data_keys}
 
     def logs_at(self, step: int, end: int) -> bool:
         """Whether step `step` of a run ending at `end` logs its training metrics."""

@@ -25,7 +25,7 @@ from jdp.run.tasks import build_task
 from jdp.run.workfiles import refuse_symlink
 
 # load_metrics, plot_metrics: jdp.run.metrics's, kept importable from here
-__all__ = ["EvaluationOutOfMemoryError", "NonFiniteError", "StopSignals", "TrainResult", "itstime", "load_metrics", "meant_for_accelerators",
+__all__ = ["DataStoppedError", "EvaluationOutOfMemoryError", "NonFiniteError", "StopSignals", "TrainResult", "itstime", "load_metrics", "meant_for_accelerators",
            "plot_metrics", "schedule_facts", "step_params", "train"]
 
 
@@ -46,6 +46,11 @@ class TrainResult:
 
 class NonFiniteError(RuntimeError):
     """Training stopped: too many consecutive updates had non-finite gradients."""
+
+
+class DataStoppedError(RuntimeError):
+    """Training stopped: a batch could not be read (a data file changed under the run, a token id out of
+    range found late, an I/O error); the steps trained before it are checkpointed (one process)."""
 
 
 class EvaluationOutOfMemoryError(RuntimeError):
@@ -112,7 +117,9 @@ def train(config: Config, workdir: str, *, devices=None, log=print, progress: bo
     all processes agree on. The run holds `workdir` (`jdp.run.lock`) and handles SIGTERM/SIGINT until
     every checkpoint write has finished; the last checkpoint is written and awaited before the
     final evaluation, and a failing evaluation or metrics write checkpoints its step first (one
-    process), so neither costs trained steps. A run already complete trains nothing and evaluates
+    process), so neither costs trained steps; a batch that cannot be read once training has started
+    (a token file changed under the run, an id ≥ vocab_size found late) checkpoints the step before
+    it and raises DataStoppedError. A run already complete trains nothing and evaluates
     the restored state. Raises ValueError for an invalid config, a workdir another live run holds,
     another run's checkpoint (train.steps counts only where the schedule uses it) or one past
     train.steps, before anything is written, and NonFiniteError after `train.max_nonfinite`
@@ -128,7 +135,8 @@ def train(config: Config, workdir: str, *, devices=None, log=print, progress: bo
     # (and on the run) before anything else touches the devices.
     agree(facts.agreed)
     devices = _checked_devices(config, devices, workdir, allow_cpu, log)
-    parts = _Parts.build(config, task or build_task(config), devices, facts)
+    paths = (None, None) if task else (config.data.path, config.data.val_path)
+    parts = _Parts.build(config, task or build_task(config), devices, facts, paths)
     # Exits in reverse order: files closed and the last checkpoint write awaited, then the workdir
     # released, all while the signals are still handled (a SIGTERM then cannot kill the write).
     with StopSignals() as signals, locked_workdir(workdir, log), contextlib.ExitStack() as cleanup:
@@ -168,7 +176,8 @@ class _Parts:
     facts: RunFacts
 
     @classmethod
-    def build(cls, config: Config, task: Task, devices: list, facts: RunFacts) -> _Parts:
+    def build(cls, config: Config, task: Task, devices: list, facts: RunFacts, paths: tuple = (None, None)) -> _Parts:
+        """`paths`: the training and held-out files the task was read from, if any (named on a disagreement)."""
         p, t, d = config.parallel, config.train, config.data
         spec = config.optimizer_spec()
         step = make_train_step(task.loss_fn, spec, backend=p.backend, reduction=p.reduction,
@@ -180,8 +189,8 @@ class _Parts:
                                mask_key=MASK_KEY)  # a task's mean loss is sum(mask · l) / b on padded batches
         # ... and on the data each builds (a file that differs between hosts): the training set decides
         # the batches, the held-out set how many evaluation batches reduce over the devices.
-        facts = facts.with_data(task.train, task.test)
-        agree(facts.data_sizes())
+        facts = facts.with_data(task.train, task.test, paths=paths)
+        agree(facts.data_facts())
         batches = make_batches(task.train, d.batch_size, seed=t.seed, drop_last=d.drop_last, threads=d.threads,
                                workers=d.workers, transform=task.transform, process_index=jax.process_index(),
                                num_processes=jax.process_count())
@@ -210,11 +219,12 @@ class _Loop:
         """Train steps `start + 1 .. end`; returns (state, the step it ended at). A run complete
         before it starts trains nothing and repeats its held-out result, from the restored state."""
         facts, throughput = self.facts, _Throughput(start)
+        self.saved = self.saved or start or None  # the newest checkpoint: the one resumed from, if any
         if start == end and self.eval_step is not None:
             self.eval_metrics = self.evaluate(state, start)
         for s in range(start + 1, end + 1):
             with self.profile.step(s):
-                for micro in self.step.micro_batches(next(self.batches)):
+                for micro in self.step.micro_batches(self.next_batch(s, state)):
                     state, metrics = self.step(state, micro)
             self.profile.done(s, metrics)
             self.writer.advance()
@@ -269,6 +279,22 @@ class _Loop:
         self.saved = s
         if wait:
             self.checkpoints.wait()
+
+    def next_batch(self, s: int, state) -> dict:
+        """Step `s`'s batch. If it cannot be read (a ValueError or OSError of the source: found only now),
+        step `s - 1` is checkpointed first (one process; `saved_on_failure`) and DataStoppedError says so."""
+        try:
+            return next(self.batches)
+        except (ValueError, OSError) as e:
+            failure = e
+        trained = s - 1
+        if trained and self.saved != trained and jax.process_count() == 1:
+            self.save(trained, state, wait=True)
+        kept = (f"the {trained} steps before it are saved in checkpoint {trained}" if self.saved == trained else
+                f"the newest checkpoint is step {self.saved}" if self.saved else "no checkpoint was saved")
+        reason = str(failure).rstrip(".") if isinstance(failure, ValueError) else f"{type(failure).__name__}: {failure}"
+        raise DataStoppedError(f"training stopped before step {s}, whose batch could not be read: {reason}; "
+                               f"{kept}") from failure
 
     @contextlib.contextmanager
     def saved_on_failure(self, s: int, state):
