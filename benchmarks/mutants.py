@@ -458,8 +458,8 @@ MUTANTS = [
            "starts = indices * self.context_length",
            ("tests/test_data_sources.py::test_token_windows_follow_the_documented_definition",)),
     Mutant("token_sample_skips_last_id", "data/tokens.py",
-           "chunk = self.tokens[start:start + block]",
-           "chunk = self.tokens[start:start + block - 1]",  # a bad id as the file's last token opens
+           "chunk = self.read(start, block)",
+           "chunk = self.read(start, block - 1)",  # a bad id as the file's last token opens
            ("tests/test_data_sources.py::test_bad_token_files_raise_one_sentence",)),
     Mutant("stop_decided_by_process_0", "run/distributed.py",
            "return bool(_gather(np.array([flag], np.int32)).any())",
