@@ -2,6 +2,6 @@
 
 The public name of `jdp.core.fsdp`, where it is implemented; import it as `jdp.fsdp`.
 """
-from jdp.core.fsdp import (FullyShardedLayout, ParamShard, is_shard, whole_params)
+from jdp.core.fsdp import FullyShardedLayout, host_whole, whole_params
 
-__all__ = ["FullyShardedLayout", "ParamShard", "is_shard", "whole_params"]
+__all__ = ["FullyShardedLayout", "host_whole", "whole_params"]

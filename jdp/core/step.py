@@ -69,7 +69,7 @@ import numpy as np
 import optax
 
 from jdp.core.algorithm import Step, batch_rows, call_loss, device_step
-from jdp.core.fsdp import FullyShardedLayout, is_shard
+from jdp.core.fsdp import FullyShardedLayout, host_whole
 from jdp.core.layouts import LAYOUTS, UNSIZED, aux_shapes
 from jdp.core.mesh import DATA_AXIS, batch_sharded, make_mesh
 from jdp.core.model_state import check_agreement, check_structure, spread_over_devices
@@ -77,7 +77,7 @@ from jdp.core.optim import OptimizerSpec, check_optimizer, for_reduction
 from jdp.core.options import StepOptions
 from jdp.core.precision import check_master_params, in_precision
 from jdp.core.state import TrainState
-from jdp.core.zero import ShardedStateLayout, check_elementwise
+from jdp.core.zero import ShardedStateLayout
 from jdp.cpu import RunAhead
 
 
@@ -110,7 +110,8 @@ class TrainStep:
         declared = partial(call_loss, loss_fn, o)  # as loss_fn declares it, before any cast
         self._loss = in_precision(declared, o.precision, o.mask_key)
         self._first = _FirstCall(self.layout, self.mesh, declared, self._loss, o)
-        self._step = self.layout.compile(partial(self._traced, Step(self._loss, self.optimizer, o, self.layout)))
+        algorithm = Step(self._loss, self.layout.step_optimizer(self.optimizer), o, self.layout)
+        self._step = self.layout.compile(partial(self._traced, algorithm))
         self._init = None  # built by init, once the layout knows the params' shapes
         self.run_ahead = RunAhead(self.devices)  # bounds steps in flight on CPU devices (see jdp.cpu)
         self._placement = _Placement(self.mesh, self.layout, o, self.local_devices, self.multi_process)
@@ -296,10 +297,8 @@ class _Placement:
 
 def step_optimizer(optimizer, o: StepOptions, n: int) -> optax.GradientTransformation:
     """The transformation the step applies to the reduced gradient: `optimizer` with the psum
-    correction, checked elementwise if its state is sharded, in optax.MultiSteps for "every"."""
-    tx = for_reduction(optimizer, o.lr_correction, n, o.shard_optimizer_state, o.axis_name)
-    if o.shard_optimizer_state:
-        check_elementwise(tx, o.axis_name, "shard_params" if o.shard_params else "shard_optimizer_state")
+    correction, in optax.MultiSteps for "every"."""
+    tx = for_reduction(optimizer, o.lr_correction, n)
     return optax.MultiSteps(tx, every_k_schedule=o.accum_steps).gradient_transformation() if o.multi_steps else tx
 
 
@@ -414,10 +413,8 @@ def get_tree(state: TrainState, tree):
     sharded leaf of the optimizer state (shard_optimizer_state) whole, as the step holds it
     (`step.canonical(state)` gives it the params' shapes); sharded params in their shapes."""
     def host(x):
-        if is_shard(x):
-            return x.whole()
         if state.stacked:
             return np.asarray(x.addressable_data(0))[0]
-        return np.asarray(x.addressable_data(0) if x.sharding.is_fully_replicated else jax.device_get(x))
+        return np.asarray(x.addressable_data(0)) if x.sharding.is_fully_replicated else host_whole(x)
 
-    return jax.tree.map(host, tree, is_leaf=is_shard)
+    return jax.tree.map(host, tree)
