@@ -134,6 +134,7 @@ QUICK = (
     "test_config_schema.py::test_cli_prints_the_schema", "test_papercuts.py::test_version_flag_prints_the_package_version",
     "test_papercuts.py::test_explain_tables_fit_80_columns_when_piped",
     "test_fsdp.py::test_params_and_optimizer_state_are_one_nth_per_device", "test_fsdp.py::test_refusals_and_config_key",
+    "test_blockwise.py", "test_sharded_optax.py::test_optimizer_as_written_equals_one_device[clip_adamw_mask-zero1]",
     "test_data_sources.py::test_a_mid_epoch_state_resumes_exactly",
     "test_data_sources.py::test_a_random_transform_is_seeded_from_seed_epoch_and_index",
     "test_tokens_train.py::test_a_bad_token_config_exits_2[overrides0-data.name='tokens' needs data.vocab_size]",

@@ -158,8 +158,7 @@ class Blockwise:
             return None
         k, after = b.dim, prod(old[b.dim + 1:])
         for j in range(len(new)):
-            if prod(new[:j]) == prod(old[:k]) and after % prod(new[j + 1:]) == 0 and \
-                    new[j] == old[k] * after // prod(new[j + 1:]):
+            if prod(new[:j]) == prod(old[:k]) and after % prod(new[j + 1:]) == 0:
                 new[j] //= self.n
                 return [Blocks(self.bind(eqn, [b.value], new_sizes=tuple(new))[0], j)]
         return None
