@@ -37,8 +37,11 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jdp.core.mesh import replicated
+from jdp.core.blockwise import WHOLE
 from jdp.core.precision import DTYPES
-from jdp.core.state import TrainState
+from jdp.core.reduce import reduce_step_values
+from jdp.core.split import Split, is_split
+from jdp.core.state import LocalAccum, TrainState
 from jdp.core.zero import ShardedStateLayout
 
 
@@ -63,9 +66,10 @@ class FullyShardedLayout(ShardedStateLayout):
 
     name = "fsdp"
 
-    def __init__(self, mesh, accum: str | None, optimizer, precision: str = "float32"):
+    def __init__(self, mesh, accum: str | None, optimizer, precision: str = "float32", in_model: bool = False):
         super().__init__(mesh, accum, optimizer)
         self.compute_dtype = DTYPES[precision]  # what the loss computes in: the dtype the params are gathered in
+        self.in_model = in_model  # gather_in_model: the loss gets `Split` blocks and gathers them itself
 
     def state_specs(self, opt_specs) -> TrainState:
         return super().state_specs(opt_specs).replace(params=self.cuts.specs())
@@ -75,16 +79,54 @@ class FullyShardedLayout(ShardedStateLayout):
         per split leaf, outside the differentiated loss, so the gradient is this device's own,
         w.r.t. the whole params. Float32 leaves travel in the compute dtype (bfloat16 with
         precision="bfloat16", which the loss casts them to anyway)."""
+        if self.in_model:
+            return self.marked(params)
         dtype = None if self.compute_dtype == jnp.float32 else self.compute_dtype
         leaves = self.cuts.treedef.flatten_up_to(params)
         return self.cuts.treedef.unflatten([self.cuts.gather_leaf(x, i, dtype) for i, x in enumerate(leaves)])
 
+    def marked(self, tree):
+        """gather_in_model: every split leaf of `tree` (this device's blocks) as a `Split` the model gathers."""
+        leaves = self.cuts.treedef.flatten_up_to(tree)
+        return self.cuts.treedef.unflatten([x if k == WHOLE else Split(x, k - x.ndim, self.axis)
+                                            for x, k in zip(leaves, self.cuts.dims)])
+
     def reduce(self, grads, means, o):
         """`ShardedStateLayout.reduce` of the gradient in the params' own dtypes (a gradient w.r.t.
         params gathered in bfloat16 is cast back to float32 first, exactly, as the replicated
-        step's cast inside the loss does)."""
-        grads = jax.tree.map(lambda g, leaf: g.astype(leaf.dtype), grads, self.cuts.struct)
-        return super().reduce(grads, means, o)
+        step's cast inside the loss does). gather_in_model: the split leaves' gradient arrives
+        reduce-scattered already (the gathers' transposes, summed over the devices): divided by
+        N for "mean"; the whole leaves' travels with the means in one small all-reduce."""
+        if not self.in_model:
+            grads = jax.tree.map(lambda g, leaf: g.astype(leaf.dtype), grads, self.cuts.struct)
+            return super().reduce(grads, means, o)
+        leaves = self.cuts.treedef.flatten_up_to(grads)
+        whole = [i for i, x in enumerate(leaves) if not is_split(x)]
+        small, means = reduce_step_values([leaves[i] for i in whole], means, o.reduction, None, self.axis)
+        scale = self.num_devices if o.reduction == "mean" else 1
+        out = [x.value / scale if is_split(x) else x for x in leaves]
+        for i, g in zip(whole, small):
+            out[i] = g
+        return self.cuts.treedef.unflatten(out), means
+
+    def global_norm(self, grads):
+        """`ShardedStateLayout.global_norm`; `Split` gradients (gather_in_model, between updates) by their blocks."""
+        return super().global_norm(jax.tree.map(lambda x: x.value if is_split(x) else x, grads, is_leaf=is_split))
+
+    def empty_accum(self, params, aux) -> LocalAccum | None:
+        """As `ShardMapLayout.empty_accum`; with gather_in_model the gradient sums of split leaves
+        are this device's blocks (they arrive reduce-scattered), one row per device."""
+        accum = super().empty_accum(params, aux)
+        if not (self.in_model and self.accum == "per_device"):
+            return accum
+        rows = self.cuts.treedef.flatten_up_to(accum.grads)
+        blocks = [x if k == WHOLE else Split(jnp.zeros((x.shape[0], *self._block(x.shape[1:], k)), x.dtype),
+                                             k - (x.ndim - 1), self.axis)
+                  for x, k in zip(rows, self.cuts.dims)]
+        return accum._replace(grads=self.cuts.treedef.unflatten(blocks))
+
+    def _block(self, shape, k):
+        return tuple(s // self.num_devices if d == k else s for d, s in enumerate(shape))
 
     def own(self, params):
         """This device's block of every leaf: what the state already holds."""

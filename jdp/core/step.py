@@ -104,7 +104,8 @@ class TrainStep:
         self._given_optimizer = optimizer
         # accum_sync="last" sums per device; "every" (M > 1) sums reduced, replicated metrics.
         accum = "per_device" if o.local_accum else "replicated" if o.multi_steps else None
-        self.layout = (FullyShardedLayout(self.mesh, accum, self.optimizer, o.precision) if o.shard_params
+        self.layout = (FullyShardedLayout(self.mesh, accum, self.optimizer, o.precision, o.gather_in_model)
+                       if o.shard_params
                        else ShardedStateLayout(self.mesh, accum, self.optimizer) if o.shard_optimizer_state
                        else LAYOUTS[o.backend](self.mesh, accum))
         declared = partial(call_loss, loss_fn, o)  # as loss_fn declares it, before any cast
@@ -347,7 +348,8 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation |
                     accum_steps: int = 1, accum_sync: str = "every", skip_nonfinite: bool = False,
                     grad_norm: bool = True, precision="float32", reduce_dtype=None,
                     shard_optimizer_state: bool = False, shard_params: bool = False,
-                    axis_name: str = DATA_AXIS, sync_batchnorm: bool = True) -> TrainStep:
+                    axis_name: str = DATA_AXIS, sync_batchnorm: bool = True,
+                    gather_in_model: bool = False) -> TrainStep:
     """Build a data-parallel training step.
 
     Args:
@@ -384,6 +386,9 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation |
         state; the same step, the same ring traffic (`jdp.core.step`'s docstring, `jdp.zero`).
       shard_params: fully sharded data parallel (shard_map only; implies shard_optimizer_state):
         each device keeps 1/N of every params leaf too (`jdp.core.step`'s docstring, `jdp.fsdp`).
+      gather_in_model: shard_params only: hand the loss every split params leaf as a
+        `jdp.fsdp.Split` (this device's block) for the model to gather itself with
+        `jdp.fsdp.gather`, one layer at a time inside its scanned layers (`jdp.core.split`).
       axis_name: the mesh axis the step binds and reduces over (default "data"); code that reduces
         over its own axis ('batch') runs unchanged with it (`jdp.core.step`'s docstring).
       sync_batchnorm: has_state only. True (default): the new model state must come out of the loss
@@ -398,7 +403,8 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation |
                           needs_rng=needs_rng, has_state=has_state, mask_key=mask_key, accum_steps=accum_steps,
                           accum_sync=accum_sync, skip_nonfinite=skip_nonfinite, grad_norm=grad_norm,
                           precision=precision, reduce_dtype=reduce_dtype, shard_optimizer_state=shard_optimizer_state,
-                          shard_params=shard_params, axis_name=axis_name, sync_batchnorm=sync_batchnorm)
+                          shard_params=shard_params, axis_name=axis_name, sync_batchnorm=sync_batchnorm,
+                          gather_in_model=gather_in_model)
     return TrainStep(loss_fn, optimizer, options, devices)
 
 

@@ -4,8 +4,8 @@ Data parallelism replicates params, gradient and optimizer state on every device
 float32 that is 16 bytes per parameter (params 4, gradient 4, moments 8). `ShardedStateLayout`
 keeps one N-th of the optimizer state on each device, in the params' own shapes:
 
-1. each leaf is split along one of its own dimensions that N divides (its largest such one,
-   `split_dim`): device d holds indices [d·s/N, (d+1)·s/N) of it. A leaf no dimension of which N
+1. each leaf is split along one of its own dimensions that N divides (its largest such one
+   after the first, `split_dim`): device d holds indices [d·s/N, (d+1)·s/N) of it. A leaf no dimension of which N
    divides (a bias of 5 on 4 devices, a scalar) is kept whole on every device;
 2. every device computes its mean gradient over its b examples (the whole gradient, as before);
 3. one reduce-scatter (`lax.psum_scatter`, with the mean's 1/N) per dtype leaves device d the
@@ -39,10 +39,13 @@ from jdp.core.state import TrainState
 
 
 def split_dim(shape, n: int) -> int:
-    """The dimension a leaf of `shape` is split along over `n` devices: its largest one that `n`
-    divides (the first of equal ones), or WHOLE (-1) if none does or n is 1."""
+    """The dimension a leaf of `shape` is split along over `n` devices: its largest one after the
+    first that `n` divides (the first of equal ones), else the first if `n` divides it, or WHOLE (-1)
+    if none does or n is 1. The first dimension comes last because stacked layers (a scanned
+    model's leading axis of layers) lie along it: split there, a device would hold whole layers."""
     dims = [i for i, s in enumerate(shape) if s and s % n == 0] if n > 1 else []
-    return max(dims, key=lambda i: (shape[i], -i)) if dims else WHOLE
+    later = [i for i in dims if i > 0]
+    return max(later, key=lambda i: (shape[i], -i)) if later else dims[0] if dims else WHOLE
 
 
 def spec(dim: int, ndim: int, axis: str) -> P:

@@ -1,0 +1,84 @@
+"""FSDP with the model gathering each layer inside its scanned, rematerialised body: the same step as one
+device, and the compiled loop holds the per-layer all-gathers and reduce-scatters."""
+import functools
+import re
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jdp
+from jdp.inspect.comm import parse_collectives
+from jdp.models import GPT
+from tests.helpers import max_abs_diff
+
+RNG = np.random.default_rng(0)
+DATA = [{"x": RNG.integers(0, 32, (16, 8)).astype(np.int32), "y": RNG.integers(0, 32, (16, 8)).astype(np.int32)}
+        for _ in range(4)]
+LAYERS = 3
+
+
+def make_model():
+    return GPT(32, 8, d_model=16, n_heads=2, n_layers=LAYERS, dropout=0.0, scan_layers=True, remat=True,
+               rngs=nnx.Rngs(0))
+
+
+def loss_fn(model, batch):
+    return optax.softmax_cross_entropy_with_integer_labels(model(batch["x"], train=False), batch["y"]).mean()
+
+
+def optimizer():  # clipping engages (the gradient norm is about 1.5); SGD shows any error in the gradient's scale
+    return optax.chain(optax.clip_by_global_norm(0.5), optax.sgd(0.5, momentum=0.9))
+
+
+@functools.lru_cache(maxsize=None)
+def run(n, **options):
+    step = jdp.nnx.make_train_step(make_model(), loss_fn, optimizer(), devices=jax.devices()[:n], **options)
+    state = step.init()
+    for batch in DATA:
+        state, _ = step(state, batch)
+    return step, state
+
+
+@pytest.mark.parametrize("options", [{}, {"precision": "bf16"}, {"accum_steps": 2, "accum_sync": "every"},
+                                     {"accum_steps": 2, "accum_sync": "last"}], ids=["fp32", "bf16", "every", "last"])
+def test_per_layer_gathering_equals_one_device(options):
+    # bf16 rounds per device's batch, so there the reference is the replicated step on the same devices
+    _, one = run(4 if "precision" in options else 1, **options)
+    assert max_abs_diff(jdp.get_params(one), nnx.state(make_model(), nnx.Param)) > 1e-2  # the params moved
+    _, sharded = run(4, shard_params=True, gather_in_model=True, **options)
+    # bf16: the layers gather float32 blocks and cast after the gather, so every gradient is reduced in float32
+    assert max_abs_diff(jdp.get_params(sharded), jdp.get_params(one)) <= 1e-6
+
+
+def in_loop(step, state):
+    """Collective kinds of the compiled step, split into those inside a while loop's body and the rest."""
+    hlo = step.lower(state, DATA[0]).compile().as_text()
+    bodies = set(re.findall(r"while\(.*?body=%?([\w.\-]+)", hlo))
+    found = {}
+    for c in parse_collectives(hlo):
+        key = (c["kind"], c["computation"] in bodies)
+        found[key] = found.get(key, 0) + 1
+    return found
+
+
+def test_the_loop_gathers_each_layer_and_reduce_scatters_its_gradient():
+    step, state = run(4, shard_params=True, gather_in_model=True)
+    per_layer = len(jax.tree.leaves(nnx.state(make_model().layers, nnx.Param)))  # the stacked leaves: one layer's
+    found = in_loop(step, state)
+    # forward body: every layer leaf gathered; backward body: gathered again (remat), and reduce-scattered
+    assert found.get(("all-gather", True), 0) >= per_layer + 1
+    assert found.get(("reduce-scatter", True), 0) == per_layer
+    whole_step, whole_state = run(4, shard_params=True)
+    assert not any(inside for _, inside in in_loop(whole_step, whole_state))  # the whole model, outside the loop
+
+
+def test_refusals():
+    with pytest.raises(ValueError, match=r"^gather_in_model=True needs shard_params=True"):
+        jdp.make_train_step(lambda p, b: 0.0, optax.sgd(0.1), gather_in_model=True)
+    with pytest.raises(ValueError, match=r"^gather_in_model=True reduce-scatters each layer's gradient in the backward "
+                                         r"pass, in the params' dtype, so reduce_dtype='bfloat16' cannot apply"):
+        jdp.make_train_step(lambda p, b: 0.0, optax.sgd(0.1), shard_params=True, gather_in_model=True,
+                            reduce_dtype="bf16")
