@@ -225,17 +225,30 @@ def markdown(rows: list[dict], fit: dict, times: dict | None) -> str:
     return "\n".join(out) + "\n"
 
 
-def table() -> str:
-    t0 = time.perf_counter()
+def bench_fsdp_layers(log=print) -> dict:
+    """Every size's peaks and the step times, each in a fresh process; the slopes and their ratio."""
     rows = []
     for size in SIZES:
         result = fresh_process_result("benchmarks.fsdp_layers", "memory", size, timeout=1200)
         if "error" in result:
-            raise SystemExit(f"size {size}: {result['error']}")
+            return {"error": f"size {size}: {result['error']}"}
+        log(f"    {size}: " + ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in result["peak"].items()))
         rows.append(result)
     times = fresh_process_result("benchmarks.fsdp_layers", "time", timeout=1200)
-    times = None if "error" in times else times
     fit = slopes(rows)
+    out = {"rows": rows, "fit": fit, "times": None if "error" in times else times,
+           "slope_over_partitioner": fit["fsdp_layers"]["slope"] / fit["partitioner"]["slope"]}
+    if out["times"]:
+        out["fsdp_layers_over_partitioner"] = times["fsdp_layers_over_partitioner"]
+    return out
+
+
+def table() -> str:
+    t0 = time.perf_counter()
+    result = bench_fsdp_layers()
+    if "error" in result:
+        raise SystemExit(result["error"])
+    rows, fit, times = result["rows"], result["fit"], result["times"]
     text = (f"# FSDP per layer vs the partitioner, measured\n\n`python -m benchmarks.fsdp_layers table` on "
             f"{os.cpu_count()} CPU cores, {time.strftime('%Y-%m-%d')}, {time.perf_counter() - t0:.0f} s.\n\n"
             + markdown(rows, fit, times))

@@ -154,6 +154,22 @@ MUTANTS = [
            "self.optimizer, lambda x, i: cuts.dims[i] if x.shape == cuts.leaves[i].shape else WHOLE,",
            "self.optimizer, lambda x, i: WHOLE if x.shape == cuts.leaves[i].shape else WHOLE,",
            ("tests/test_zero.py::test_optimizer_state_bytes_per_device_are_one_nth",)),
+    Mutant("fsdp_layers_reduced_once_for_the_model", "core/fsdp.py",
+           "        if self.in_model:\n            return self.marked(params)\n",
+           "",  # the whole model gathered before the loss: one reduce-scatter after the backward pass
+           ("tests/test_fsdp_layers.py::test_the_loop_gathers_each_layer_and_reduce_scatters_its_gradient",)),
+    Mutant("fsdp_layers_gathered_outside_the_scan", "models/gpt.py",
+           "    graphdef, stack = nnx.split(layers)\n",
+           "    graphdef, stack = nnx.split(layers)\n    stack = gather(stack)\n",  # every layer whole, never freed
+           ("tests/test_fsdp_layers.py::test_the_loop_gathers_each_layer_and_reduce_scatters_its_gradient",)),
+    Mutant("fsdp_layers_gradient_not_averaged", "core/fsdp.py",
+           'scale = self.num_devices if o.reduction == "mean" else 1',
+           "scale = 1",
+           ("tests/test_fsdp_layers.py::test_per_layer_gathering_equals_one_device[fp32]",)),
+    Mutant("fsdp_layers_bf16_gradient_reduced_in_bf16", "core/split.py",
+           "lax.psum_scatter(g.astype(like.dtype), axis, scatter_dimension=dim, tiled=True)",
+           "lax.psum_scatter(g, axis, scatter_dimension=dim, tiled=True).astype(like.dtype)",
+           ("tests/test_fsdp_layers.py::test_per_layer_gathering_equals_one_device[bf16]",)),
     Mutant("fsdp_params_left_replicated", "core/step.py",
            "self.layout = (FullyShardedLayout(self.mesh, accum, self.optimizer, o.precision) if o.shard_params",
            "self.layout = (ShardedStateLayout(self.mesh, accum, self.optimizer) if o.shard_params",  # ZeRO-1

@@ -135,6 +135,8 @@ QUICK = (
     "test_papercuts.py::test_explain_tables_fit_80_columns_when_piped",
     "test_fsdp.py::test_params_and_optimizer_state_are_one_nth_per_device", "test_fsdp.py::test_refusals_and_config_key",
     "test_blockwise.py", "test_sharded_optax.py::test_optimizer_as_written_equals_one_device[clip_adamw_mask-zero1]",
+    "test_fsdp_layers.py::test_the_loop_gathers_each_layer_and_reduce_scatters_its_gradient",
+    "test_fsdp_layers.py::test_per_layer_gathering_equals_one_device[fp32]", "test_fsdp_layers.py::test_refusals",
     "test_data_sources.py::test_a_mid_epoch_state_resumes_exactly",
     "test_data_sources.py::test_a_random_transform_is_seeded_from_seed_epoch_and_index",
     "test_tokens_train.py::test_a_bad_token_config_exits_2[overrides0-data.name='tokens' needs data.vocab_size]",

@@ -38,19 +38,20 @@ def run(n, **options):
     step = jdp.nnx.make_train_step(make_model(), loss_fn, optimizer(), devices=jax.devices()[:n], **options)
     state = step.init()
     for batch in DATA:
-        state, _ = step(state, batch)
-    return step, state
+        state, metrics = step(state, batch)
+    return step, state, float(metrics["grad_norm"])
 
 
 @pytest.mark.parametrize("options", [{}, {"precision": "bf16"}, {"accum_steps": 2, "accum_sync": "every"},
                                      {"accum_steps": 2, "accum_sync": "last"}], ids=["fp32", "bf16", "every", "last"])
 def test_per_layer_gathering_equals_one_device(options):
     # bf16 rounds per device's batch, so there the reference is the replicated step on the same devices
-    _, one = run(4 if "precision" in options else 1, **options)
+    _, one, norm = run(4 if "precision" in options else 1, **options)
     assert max_abs_diff(jdp.get_params(one), nnx.state(make_model(), nnx.Param)) > 1e-2  # the params moved
-    _, sharded = run(4, shard_params=True, gather_in_model=True, **options)
-    # bf16: the layers gather float32 blocks and cast after the gather, so every gradient is reduced in float32
+    _, sharded, sharded_norm = run(4, shard_params=True, gather_in_model=True, **options)
+    # bf16: the layers gather bf16 and reduce-scatter the gradient cast back to float32, as the replicated step
     assert max_abs_diff(jdp.get_params(sharded), jdp.get_params(one)) <= 1e-6
+    assert sharded_norm == pytest.approx(norm, rel=1e-5)  # the gradient's scale (clipping hides it from the params)
 
 
 def in_loop(step, state):
@@ -65,13 +66,13 @@ def in_loop(step, state):
 
 
 def test_the_loop_gathers_each_layer_and_reduce_scatters_its_gradient():
-    step, state = run(4, shard_params=True, gather_in_model=True)
+    step, state, _ = run(4, shard_params=True, gather_in_model=True)
     per_layer = len(jax.tree.leaves(nnx.state(make_model().layers, nnx.Param)))  # the stacked leaves: one layer's
     found = in_loop(step, state)
     # forward body: every layer leaf gathered; backward body: gathered again (remat), and reduce-scattered
     assert found.get(("all-gather", True), 0) >= per_layer + 1
     assert found.get(("reduce-scatter", True), 0) == per_layer
-    whole_step, whole_state = run(4, shard_params=True)
+    whole_step, whole_state, _ = run(4, shard_params=True)
     assert not any(inside for _, inside in in_loop(whole_step, whole_state))  # the whole model, outside the loop
 
 

@@ -30,8 +30,8 @@ class Split:
     compute: str | None = None
 
     def astype(self, dtype) -> Split:
-        """The precision cast: recorded, applied by `whole` after the gather (which stays in the
-        block's dtype, so the gradient's reduce-scatter does too)."""
+        """The precision cast: recorded, applied by `whole` with the gather (whose transpose
+        reduce-scatters the gradient in the block's own dtype)."""
         return Split(self.value, self.dim, self.axis, jnp.dtype(dtype).name)
 
     @property
@@ -62,10 +62,10 @@ def gather(tree):
 
 @partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
 def _gather(x, dim: int, axis: str, dtype):
-    """All-gather of block `x` along `dim`, cast to `dtype` after it; the transpose reduce-scatters
-    the gradient in `x`'s own dtype (a bf16 gradient cast to float32 first, as the replicated step's
-    cast does), summed over the devices."""
-    return lax.all_gather(x, axis, axis=dim, tiled=True).astype(dtype)
+    """All-gather of block `x` along `dim` in `dtype` (cast first: a bf16 gather sends half the bytes);
+    the transpose reduce-scatters the gradient in `x`'s own dtype (a bf16 gradient cast to float32
+    first, as the replicated step's cast does), summed over the devices."""
+    return lax.all_gather(x.astype(dtype), axis, axis=dim, tiled=True)
 
 
 def _gather_fwd(x, dim, axis, dtype):
