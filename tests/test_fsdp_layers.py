@@ -72,7 +72,9 @@ def test_the_loop_gathers_each_layer_and_reduce_scatters_its_gradient():
     # forward body: every layer leaf gathered; backward body: gathered again (remat), and reduce-scattered
     assert found.get(("all-gather", True), 0) >= per_layer + 1
     assert found.get(("reduce-scatter", True), 0) == per_layer
+    assert jdp.memory_report(step, state).gathered == "per layer, by the model (gather_in_model)"
     whole_step, whole_state, _ = run(4, shard_params=True)
+    assert jdp.memory_report(whole_step, whole_state).gathered == "whole model, before the loss"
     assert not any(inside for _, inside in in_loop(whole_step, whole_state))  # the whole model, outside the loop
 
 

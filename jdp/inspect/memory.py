@@ -26,6 +26,7 @@ class MemoryReport:
     accumulator: int  # accum_sync="last": this device's gradient sums; "every": a few scalars
     compiled: dict | None = None  # XLA's memory analysis of the compiled step, bytes per device
     params_sharded: bool = False  # shard_params: the params are kept split between steps
+    gathered: str | None = None  # shard_params: "whole model" (before the loss) or "per layer, by the model"
 
     @property
     def state(self) -> int:
@@ -43,7 +44,7 @@ class MemoryReport:
         return c["argument"] + c["output"] - c["alias"] + c["temp"]
 
     def __str__(self) -> str:
-        layout = ("params, gradient and optimizer state sharded" if self.params_sharded
+        layout = (f"params, gradient and optimizer state sharded, gathered {self.gathered}" if self.params_sharded
                   else "optimizer state sharded" if self.sharded else "replicated")
         text = (f"{self.devices} device(s), {layout}: per device params {self.params:,} B, gradient "
                 f"{self.gradient:,} B (reduced: {self.reduced_gradient:,} B), optimizer state "
@@ -77,4 +78,7 @@ def memory_report(step, state, batch=None) -> MemoryReport:
                         gradient=float_bytes, reduced_gradient=reduced,
                         optimizer_state=bytes_on_one_device(state.opt_state),
                         accumulator=bytes_on_one_device(state.accum), compiled=compiled,
-                        params_sharded=bool(step.options.shard_params))
+                        params_sharded=bool(step.options.shard_params),
+                        gathered=None if not step.options.shard_params else
+                        "per layer, by the model (gather_in_model)" if step.options.gather_in_model else
+                        "whole model, before the loss")
