@@ -85,3 +85,18 @@ def test_refusals():
                                          r"pass, in the params' dtype, so reduce_dtype='bfloat16' cannot apply"):
         jdp.make_train_step(lambda p, b: 0.0, optax.sgd(0.1), shard_params=True, gather_in_model=True,
                             reduce_dtype="bf16")
+
+
+def test_trainer_scanned_gpt_gathers_per_layer_under_shard_params(tmp_path):
+    from jdp.config import load_config
+    from jdp.train import train
+
+    def go(name, *extra):
+        config = load_config(None, ["model.name=gpt", "data.name=chars", "model.d_model=16", "model.n_heads=2",
+                                    "model.n_layers=2", "model.context=16", "model.scan_layers=true", "model.remat=true",
+                                    "optim.name=momentum", "optim.lr=0.1", "optim.clip_norm=1.0", "train.steps=3",
+                                    "train.log_every=1", "train.eval_every=0", "data.batch_size=16", *extra])
+        return train(config, str(tmp_path / name), devices=jax.devices()[:4], log=lambda *_: None, progress=False)
+
+    replicated, sharded = go("replicated"), go("fsdp", "parallel.shard_params=true")
+    assert max_abs_diff(sharded.params, replicated.params) <= 1e-6

@@ -143,7 +143,7 @@ def build_task(config) -> Task:
     """The task a `jdp.config.Config` describes (model × dataset), initialised from train.seed.
 
     The models compute in train.precision's dtype (`compute_dtype`; params stay float32, logits
-    float32), in training and in evaluation alike; the gpt takes model.attention and model.remat.
+    float32), in training and in evaluation alike; the gpt takes model.attention, model.remat and model.scan_layers.
     The linear regression has no model: the step's cast of params and inputs sets its dtype.
     """
     m, d = config.model, config.data
@@ -157,14 +157,16 @@ def build_task(config) -> Task:
         train = D.char_windows(corpus.train, m.context, stride=m.context // 2)
         test = D.char_windows(corpus.val, m.context, stride=m.context)
         model = GPT(corpus.vocab_size, m.context, d_model=m.d_model, n_heads=m.n_heads, n_layers=m.n_layers,
-                    dropout=m.dropout, dtype=dtype, attention=m.attention, remat=m.remat, rngs=rngs)
+                    dropout=m.dropout, dtype=dtype, attention=m.attention, remat=m.remat,
+                    scan_layers=m.scan_layers, rngs=rngs)
         return _language_model(functional(model), f"char GPT ({corpus.vocab_size} symbols)", train, test)
     if d.name == "tokens":
         train = D.load_tokens(d.path, context_length=m.context, dtype=d.dtype, vocab_size=d.vocab_size)
         test = d.val_path and D.load_tokens(d.val_path, context_length=m.context, dtype=d.dtype,
                                             vocab_size=d.vocab_size)
         model = GPT(d.vocab_size, m.context, d_model=m.d_model, n_heads=m.n_heads, n_layers=m.n_layers,
-                    dropout=m.dropout, dtype=dtype, attention=m.attention, remat=m.remat, rngs=rngs)
+                    dropout=m.dropout, dtype=dtype, attention=m.attention, remat=m.remat,
+                    scan_layers=m.scan_layers, rngs=rngs)
         return _language_model(functional(model), f"GPT on tokens {quoted(d.path)} ({d.vocab_size} ids)", train,
                                test or None)
     if d.name == "digits":

@@ -169,7 +169,9 @@ class _Parts:
                                has_state=True, accum_steps=p.accum_steps, accum_sync=p.accum_sync,
                                skip_nonfinite=t.max_nonfinite > 0, precision=t.precision,
                                reduce_dtype=p.reduce_dtype, shard_optimizer_state=p.shard_optimizer_state,
-                               shard_params=p.shard_params, sync_batchnorm=task.sync_batchnorm)
+                               shard_params=p.shard_params, sync_batchnorm=task.sync_batchnorm,
+                               # a scanned GPT gathers each layer in its scan body: the peak holds one layer
+                               gather_in_model=p.shard_params and config.model.scan_layers)
         # ... and on the data each builds (a file that differs between hosts): the training set decides
         # the batches, the held-out set how many evaluation batches reduce over the devices.
         facts = facts.with_data(task.train, task.test)
