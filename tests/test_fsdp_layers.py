@@ -1,6 +1,7 @@
 """FSDP with the model gathering each layer inside its scanned, rematerialised body: the same step as one
 device, and the compiled loop holds the per-layer all-gathers and reduce-scatters."""
 import functools
+import json
 import re
 
 import jax
@@ -96,7 +97,15 @@ def test_trainer_scanned_gpt_gathers_per_layer_under_shard_params(tmp_path):
                                     "model.n_layers=2", "model.context=16", "model.scan_layers=true", "model.remat=true",
                                     "optim.name=momentum", "optim.lr=0.1", "optim.clip_norm=1.0", "train.steps=3",
                                     "train.log_every=1", "train.eval_every=0", "data.batch_size=16", *extra])
-        return train(config, str(tmp_path / name), devices=jax.devices()[:4], log=lambda *_: None, progress=False)
+        return train(config, str(tmp_path / name), devices=jax.devices()[:4], log=lines.append, progress=False)
 
+    lines = []
     replicated, sharded = go("replicated"), go("fsdp", "parallel.shard_params=true")
     assert max_abs_diff(sharded.params, replicated.params) <= 1e-6
+    # the start says each run's bytes per device, and metrics.jsonl's first record holds them
+    said = [line for line in lines if line.startswith("memory per device")]
+    assert len(said) == 2 and "gathered per layer, by the model" in said[1]
+    first = [json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[0])
+             for name in ("replicated", "fsdp")]
+    assert first[1]["memory_state_bytes"] < first[0]["memory_state_bytes"] / 3
+    assert 0 < first[1]["memory_peak_bytes"] < first[0]["memory_peak_bytes"]

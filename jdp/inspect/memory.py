@@ -43,9 +43,14 @@ class MemoryReport:
         c = self.compiled
         return c["argument"] + c["output"] - c["alias"] + c["temp"]
 
+    @property
+    def layout(self) -> str:
+        """The layout in words: replicated, ZeRO-1 or FSDP, and how FSDP gathers the params."""
+        return (f"params, gradient and optimizer state sharded, gathered {self.gathered}" if self.params_sharded
+                else "optimizer state sharded" if self.sharded else "replicated")
+
     def __str__(self) -> str:
-        layout = (f"params, gradient and optimizer state sharded, gathered {self.gathered}" if self.params_sharded
-                  else "optimizer state sharded" if self.sharded else "replicated")
+        layout = self.layout
         text = (f"{self.devices} device(s), {layout}: per device params {self.params:,} B, gradient "
                 f"{self.gradient:,} B (reduced: {self.reduced_gradient:,} B), optimizer state "
                 f"{self.optimizer_state:,} B, accumulator {self.accumulator:,} B")

@@ -14,6 +14,7 @@ from jdp.bridges.task import Task
 from jdp.core.evaluate import evaluate, make_eval_step
 from jdp.core.step import get_params, make_train_step
 from jdp.data import make_batches
+from jdp.inspect.memory import memory_report
 from jdp.run.checkpoint import CheckpointMismatchError, Checkpointer
 from jdp.run.config import Config, validate
 from jdp.run.distributed import agree, any_process
@@ -202,16 +203,17 @@ class _Loop:
     def run(self, state, start: int, end: int) -> tuple:
         """Train steps `start + 1 .. end`; returns (state, the step it ended at). A run complete
         before it starts trains nothing and repeats its held-out result, from the restored state."""
-        facts, throughput = self.facts, _Throughput(start)
+        facts, throughput, memory = self.facts, _Throughput(start), None
         if start == end and self.eval_step is not None:
             self.eval_metrics = self.evaluate(state, start)
         for s in range(start + 1, end + 1):
             for micro in self.step.micro_batches(next(self.batches)):
+                memory = self.memory(state, micro) if s == start + 1 and memory is None else memory
                 state, metrics = self.step(state, micro)
             self.writer.advance()
             if s == start + 1:  # once compiled: the step's FLOPs, per optimizer step, all devices
                 flops_per_step = step_flops(self.step, state, micro)
-            record = {"step": s}
+            record = {"step": s} | (memory if s == start + 1 else {})
             if facts.logs_at(s, end):
                 m = jax.device_get(metrics)
                 _check_finite(s, m, self.config.train.max_nonfinite)
@@ -237,6 +239,15 @@ class _Loop:
                 self.preempted = True
                 return state, s
         return state, end
+
+    def memory(self, state, micro) -> dict:
+        """Bytes per device of the state and of the compiled step's peak (`jdp.memory_report`), said at
+        the start and written with the first step's record. The step compiled here is the one the
+        first call runs (jax reuses the compilation)."""
+        report = memory_report(self.step, state, micro)
+        self.writer.log(f"memory per device ({report.layout}): state {report.state / 1e6:,.1f} MB, compiled "
+                        f"step peak {(report.allocated or 0) / 1e6:,.1f} MB")
+        return {"memory_state_bytes": report.state, "memory_peak_bytes": report.allocated}
 
     def evaluate(self, state, s: int) -> dict:
         """Metrics of `state` (after step `s`) over the whole held-out set; EvaluationOutOfMemoryError
