@@ -109,3 +109,13 @@ def test_trainer_scanned_gpt_gathers_per_layer_under_shard_params(tmp_path):
              for name in ("replicated", "fsdp")]
     assert first[1]["memory_state_bytes"] < first[0]["memory_state_bytes"] / 3
     assert 0 < first[1]["memory_peak_bytes"] < first[0]["memory_peak_bytes"]
+
+
+def test_jdp_memory_prints_the_three_layouts(capsys):
+    from jdp.run.cli import main
+
+    assert main(["memory", "--devices", "4"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    state = {line.split()[0]: int(line.split()[1].replace(",", "")) for line in lines[2:]}
+    assert list(state) == ["replicated", "ZeRO-1", "FSDP"]
+    assert state["replicated"] > state["ZeRO-1"] > state["FSDP"]  # params and optimizer state split in turn

@@ -163,16 +163,9 @@ class _Parts:
 
     @classmethod
     def build(cls, config: Config, task: Task, devices: list, facts: RunFacts) -> _Parts:
-        p, t, d = config.parallel, config.train, config.data
+        t, d = config.train, config.data
         spec = config.optimizer_spec()
-        step = make_train_step(task.loss_fn, spec, backend=p.backend, reduction=p.reduction,
-                               lr_correction=p.lr_correction, devices=devices, has_aux=True, needs_rng=True,
-                               has_state=True, accum_steps=p.accum_steps, accum_sync=p.accum_sync,
-                               skip_nonfinite=t.max_nonfinite > 0, precision=t.precision,
-                               reduce_dtype=p.reduce_dtype, shard_optimizer_state=p.shard_optimizer_state,
-                               shard_params=p.shard_params, sync_batchnorm=task.sync_batchnorm,
-                               # a scanned GPT gathers each layer in its scan body: the peak holds one layer
-                               gather_in_model=p.shard_params and config.model.scan_layers)
+        step = train_step_for(config, task, devices)
         # ... and on the data each builds (a file that differs between hosts): the training set decides
         # the batches, the held-out set how many evaluation batches reduce over the devices.
         facts = facts.with_data(task.train, task.test)
@@ -183,6 +176,20 @@ class _Parts:
         state = step.init(task.params, task.model_state, seed=t.seed)
         eval_step = make_eval_step(task.metric_fn, step.mesh) if task.test is not None else None
         return cls(task, spec, step, batches, state, eval_step, facts)
+
+
+def train_step_for(config: Config, task: Task, devices, **layout):
+    """The step `jdp train` runs for `config` on `task`; `layout` overrides shard_optimizer_state and
+    shard_params (for `jdp memory`'s table)."""
+    p, t = config.parallel, config.train
+    layout = {"shard_optimizer_state": p.shard_optimizer_state, "shard_params": p.shard_params} | layout
+    return make_train_step(task.loss_fn, config.optimizer_spec(), backend=p.backend, reduction=p.reduction,
+                           lr_correction=p.lr_correction, devices=devices, has_aux=True, needs_rng=True,
+                           has_state=True, accum_steps=p.accum_steps, accum_sync=p.accum_sync,
+                           skip_nonfinite=t.max_nonfinite > 0, precision=t.precision, reduce_dtype=p.reduce_dtype,
+                           sync_batchnorm=task.sync_batchnorm, **layout,
+                           # a scanned GPT gathers each layer in its scan body: the peak holds one layer
+                           gather_in_model=layout["shard_params"] and config.model.scan_layers)
 
 
 class _Loop:
