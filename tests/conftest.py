@@ -137,6 +137,7 @@ QUICK = (
     "test_blockwise.py", "test_sharded_optax.py::test_optimizer_as_written_equals_one_device[clip_adamw_mask-zero1]",
     "test_fsdp_layers.py::test_the_loop_gathers_each_layer_and_reduce_scatters_its_gradient",
     "test_fsdp_layers.py::test_per_layer_gathering_equals_one_device[fp32]", "test_fsdp_layers.py::test_refusals",
+    "test_fsdp_patterns.py::test_scanned_model_gathers_per_layer_and_equals_one_device[linen]",
     "test_data_sources.py::test_a_mid_epoch_state_resumes_exactly",
     "test_data_sources.py::test_a_random_transform_is_seeded_from_seed_epoch_and_index",
     "test_tokens_train.py::test_a_bad_token_config_exits_2[overrides0-data.name='tokens' needs data.vocab_size]",
