@@ -171,8 +171,8 @@ MUTANTS = [
            "lax.psum_scatter(g, axis, scatter_dimension=dim, tiled=True).astype(like.dtype)",
            ("tests/test_fsdp_layers.py::test_per_layer_gathering_equals_one_device[bf16]",)),
     Mutant("fsdp_params_left_replicated", "core/step.py",
-           "self.layout = (FullyShardedLayout(self.mesh, accum, self.optimizer, o.precision) if o.shard_params",
-           "self.layout = (ShardedStateLayout(self.mesh, accum, self.optimizer) if o.shard_params",  # ZeRO-1
+           "self.layout = (FullyShardedLayout(self.mesh, accum, self.optimizer, o.precision, o.gather_in_model)",
+           "self.layout = (ShardedStateLayout(self.mesh, accum, self.optimizer)",  # ZeRO-1
            ("tests/test_fsdp.py::test_params_and_optimizer_state_are_one_nth_per_device",)),
     Mutant("fsdp_gradient_allreduced_then_sliced", "core/zero.py",
            'blocks = cuts.scatter(grads, o.reduction == "mean", o.reduce_dtype)',
