@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from jdp.run.config import Config
-from jdp.run.tasks import build_task
+from jdp.run.tasks import build_task, train_step_for
 
 LAYOUTS = {"replicated": {"shard_optimizer_state": False, "shard_params": False},
            "ZeRO-1": {"shard_optimizer_state": True, "shard_params": False},
@@ -17,7 +17,6 @@ def memory_table(config: Config, devices) -> list[dict]:
 
     from jdp.data import make_batches
     from jdp.inspect.memory import memory_report
-    from jdp.run.train import train_step_for
 
     task, rows = build_task(config), []
     batches = make_batches(task.train, config.data.batch_size, seed=config.train.seed, transform=task.transform,

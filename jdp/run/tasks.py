@@ -10,6 +10,7 @@ from flax import nnx
 
 from jdp.bridges.task import Task
 from jdp.core.precision import DTYPES
+from jdp.core.step import make_train_step
 import jdp.data as D
 from jdp.data import MASK_KEY, ArrayDataset
 from jdp.models import CNN, GPT, MLP, functional
@@ -199,3 +200,17 @@ def build_task(config) -> Task:
     task = _classifier(functional(model), f"{m.name} on {d.name} ({n_classes} classes)", train, test)
     # The CNN without sync_batchnorm keeps per-device statistics, which the step must then accept.
     return dataclasses.replace(task, sync_batchnorm=m.name != "cnn" or m.sync_batchnorm)
+
+
+def train_step_for(config, task: Task, devices, **layout):
+    """The step `jdp train` runs for `config` (a `jdp.config.Config`) on `task`; `layout` overrides
+    shard_optimizer_state and shard_params (for `jdp memory`'s table)."""
+    p, t = config.parallel, config.train
+    layout = {"shard_optimizer_state": p.shard_optimizer_state, "shard_params": p.shard_params} | layout
+    return make_train_step(task.loss_fn, config.optimizer_spec(), backend=p.backend, reduction=p.reduction,
+                           lr_correction=p.lr_correction, devices=devices, has_aux=True, needs_rng=True,
+                           has_state=True, accum_steps=p.accum_steps, accum_sync=p.accum_sync,
+                           skip_nonfinite=t.max_nonfinite > 0, precision=t.precision, reduce_dtype=p.reduce_dtype,
+                           sync_batchnorm=task.sync_batchnorm, **layout,
+                           # a scanned GPT gathers each layer in its scan body: the peak holds one layer
+                           gather_in_model=layout["shard_params"] and config.model.scan_layers)

@@ -12,7 +12,7 @@ import jax
 
 from jdp.bridges.task import Task
 from jdp.core.evaluate import evaluate, make_eval_step
-from jdp.core.step import get_params, make_train_step
+from jdp.core.step import get_params
 from jdp.data import make_batches
 from jdp.inspect.memory import memory_report
 from jdp.run.checkpoint import CheckpointMismatchError, Checkpointer
@@ -21,7 +21,7 @@ from jdp.run.distributed import agree, any_process
 from jdp.run.facts import RunFacts, itstime
 from jdp.run.lock import locked_workdir
 from jdp.run.metrics import MetricsWriter, load_metrics, peak_flops, plot_metrics, step_flops
-from jdp.run.tasks import build_task
+from jdp.run.tasks import build_task, train_step_for
 from jdp.run.workfiles import refuse_symlink
 
 # load_metrics, plot_metrics: jdp.run.metrics's, kept importable from here
@@ -176,20 +176,6 @@ class _Parts:
         state = step.init(task.params, task.model_state, seed=t.seed)
         eval_step = make_eval_step(task.metric_fn, step.mesh) if task.test is not None else None
         return cls(task, spec, step, batches, state, eval_step, facts)
-
-
-def train_step_for(config: Config, task: Task, devices, **layout):
-    """The step `jdp train` runs for `config` on `task`; `layout` overrides shard_optimizer_state and
-    shard_params (for `jdp memory`'s table)."""
-    p, t = config.parallel, config.train
-    layout = {"shard_optimizer_state": p.shard_optimizer_state, "shard_params": p.shard_params} | layout
-    return make_train_step(task.loss_fn, config.optimizer_spec(), backend=p.backend, reduction=p.reduction,
-                           lr_correction=p.lr_correction, devices=devices, has_aux=True, needs_rng=True,
-                           has_state=True, accum_steps=p.accum_steps, accum_sync=p.accum_sync,
-                           skip_nonfinite=t.max_nonfinite > 0, precision=t.precision, reduce_dtype=p.reduce_dtype,
-                           sync_batchnorm=task.sync_batchnorm, **layout,
-                           # a scanned GPT gathers each layer in its scan body: the peak holds one layer
-                           gather_in_model=layout["shard_params"] and config.model.scan_layers)
 
 
 class _Loop:
