@@ -25,6 +25,9 @@ On CPU (2 fake CPU devices, fp32, Adam, global batch 256, MLP 784-1024-1024-10 u
 7. Params, gradient and optimizer state sharded (FSDP) vs ZeRO-1 vs replicated: step time
    (target: FSDP ≤ 1.3× replicated), and an 8-layer GPT's bytes per device, between steps and in
    the compiled step, for N = 1, 2, 4, 8, remat off and on (`benchmarks/fsdp.py`).
+7b. `fsdp_layers`: a scanned GPT at three sizes on 8 devices, the compiled step's peak per layout
+   (FSDP gathering per layer vs the partitioner's FSDP: slope in bytes per param) and step-time
+   ratios (`benchmarks/fsdp_layers.py`; about 12 minutes on 2 CPU cores).
 8. The input pipeline (`benchmarks/data.py`): loader batches/s for a token file and for a
    transform-heavy grain source (inline, 2 threads, 2 worker processes) against the char GPT's
    step rate on 2 devices (target: loader ≥ 5× the step), and RssAnon for a 10 MB and a 1 GB
@@ -53,6 +56,7 @@ from dataclasses import dataclass
 from benchmarks.common import (BIG_MLP, GLOBAL_BATCH, Timer, child_env, interleave, mlp_batches, mlp_loss, mlp_params,
                                paired_ratio, param_count, ratio_spread, summary)
 from benchmarks.fsdp import bench_fsdp
+from benchmarks.fsdp_layers import bench_fsdp_layers
 from benchmarks.data import bench_data
 from benchmarks.zero import bench_zero
 
@@ -62,7 +66,7 @@ TARGETS = {"handwritten_over_jdp_shard_map": 0.97, "handwritten_over_jdp_pmap": 
            "handwritten_pmap_over_jdp_pmap": 0.97, "ddp_over_jdp": 2.5, "train_loop_over_step": 0.95,
            "replicated_over_fsdp": 0.77,  # FSDP at most ~1.3x the replicated step
            "loader_tokens_over_step": 5.0, "loader_transform_over_step": 5.0}
-PARTS = ("handwritten", "ddp", "train_loop", "accum", "scaling", "zero", "fsdp", "data")
+PARTS = ("handwritten", "ddp", "train_loop", "accum", "scaling", "zero", "fsdp", "fsdp_layers", "data")
 ADAM_FP32_BYTES_PER_PARAM = 16  # params 4 + grads 4 + Adam m 4 + v 4 (fp32 on CPU)
 ADAMW_MIXED_BYTES_PER_PARAM = 16  # AdamW in mixed precision: fp32 master 4 + m 4 + v 4 + bf16 weights 2 + bf16 grads 2
 
@@ -456,6 +460,10 @@ def ratios_table(report: dict) -> list[dict]:
         "step time with the optimizer state sharded (ZeRO-1) / replicated, Adam")
     add("replicated_over_fsdp", report.get("fsdp", {}).get("ratio_replicated_over_fsdp"),
         "replicated step time / FSDP (shard_params) step time, Adam (≥ 0.77: FSDP ≤ 1.3× replicated)")
+    add("fsdp_layers_slope_over_partitioner", report.get("fsdp_layers", {}).get("slope_over_partitioner"),
+        "compiled peak per param, FSDP gathering per layer / jax.jit+NamedSharding FSDP, scanned GPT (≤ 1.15)")
+    add("fsdp_layers_over_partitioner", report.get("fsdp_layers", {}).get("fsdp_layers_over_partitioner"),
+        "step time, FSDP gathering per layer / the partitioner's FSDP (≤ 1.15)")
     add("loader_tokens_over_step", report.get("data", {}).get("ratio_loader_tokens_over_step"),
         "token-file loader batches/s / char GPT steps/s on 2 devices (batch 64 × 64 tokens)")
     add("loader_transform_over_step", report.get("data", {}).get("ratio_loader_transform_over_step"),
@@ -501,6 +509,7 @@ def main(argv=None) -> int:
                    "accum": bench_accum, "scaling": bench_scaling,
                    "zero": lambda plan: bench_zero(plan.sizes, plan.steps, plan.repeats, log=log),
                    "fsdp": lambda plan: bench_fsdp(plan.sizes, plan.steps, plan.repeats, log=log, quick=args.quick),
+                   "fsdp_layers": lambda plan: bench_fsdp_layers(log=log),
                    "data": lambda plan: bench_data(plan is QUICK, log=log)}
         for part in PARTS:
             if part in parts:

@@ -2,6 +2,6 @@
 
 The public name of `jdp.core.zero`, where it is implemented; import it as `jdp.zero`.
 """
-from jdp.core.zero import (ShardedStateLayout, Slices, check_elementwise, clip_by_global_norm, squared_norm_everywhere)
+from jdp.core.zero import Cuts, ShardedStateLayout, clip_by_global_norm, split_dim
 
-__all__ = ["ShardedStateLayout", "Slices", "check_elementwise", "clip_by_global_norm", "squared_norm_everywhere"]
+__all__ = ["Cuts", "ShardedStateLayout", "clip_by_global_norm", "split_dim"]

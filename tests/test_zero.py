@@ -60,15 +60,17 @@ def test_one_reduce_scatter_and_one_all_gather_replace_the_gradient_allreduce():
     for n in (2, 4, 8):
         step, state, _ = run(n, OPTIMIZERS["adam"], steps=1, shard_optimizer_state=True)
         report = jdp.comm_report(step, state, batches(1, GLOBAL)[0])
-        padded = sum(n * -(-x.size // n) * 4 for x in jax.tree.leaves(mlp_params()))  # float32, N·ceil(s/N)
-        assert [c.bytes for c in report.of_kind("reduce-scatter")] == [padded]
-        assert [c.bytes for c in report.of_kind("all-gather")] == [padded]
-        assert all(c.bytes <= 64 for c in report.allreduces)  # loss, example count, norm: scalars only
+        leaves = jax.tree.leaves(mlp_params())
+        split = sum(x.nbytes for x in leaves if jdp.zero.split_dim(x.shape, n) >= 0)  # the leaves n devices split
+        assert [c.bytes for c in report.of_kind("reduce-scatter")] == [split]
+        assert [c.bytes for c in report.of_kind("all-gather")] == [split]
+        # the whole leaves' gradient (a bias of 5), the loss, example count and norm: one small all-reduce
+        assert all(c.bytes <= sum(x.nbytes for x in leaves) - split + 64 for c in report.allreduces)
         assert report.gradient_allreduces_per_update == 0
         replicated_step, replicated, _ = run(n, OPTIMIZERS["adam"], steps=1)
         ring = jdp.comm_report(replicated_step, replicated, batches(1, GLOBAL)[0]).ring_bytes_per_device
         # a ring all-reduce is a reduce-scatter plus an all-gather: the same traffic, up to padding
-        assert abs(report.ring_bytes_per_device - ring) <= 2 * (n - 1) / n * (padded - report.gradient_bytes) + 64
+        assert abs(report.ring_bytes_per_device - ring) <= 64
 
 
 def test_optimizer_state_bytes_per_device_are_one_nth():
@@ -81,7 +83,8 @@ def test_optimizer_state_bytes_per_device_are_one_nth():
             continue
         assert report.sharded and report.params == report.gradient and full == 2 * report.params + 4  # mu, nu, count
         assert report.reduced_gradient < report.gradient / n * 1.1
-        assert full / n <= report.optimizer_state <= full / n * 1.05 + 8  # padding, and the step count
+        # mu and nu are split as the params are (the bias of 5 stays whole); the step count is replicated
+        assert full / n < report.optimizer_state == 2 * report.reduced_gradient + 4 < full / n * 1.1
         _, replicated, _ = run(n, optax.adam(1e-3), steps=1)
         assert jdp.memory_report(step, replicated).optimizer_state == full
 
@@ -172,16 +175,10 @@ def test_nnx_model_with_sharded_optimizer_state():
 
 
 def test_refusals_name_the_problem():
-    not_elementwise = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))
-    with pytest.raises(ValueError, match=r"optax\.clip_by_global_norm does not \(its update of a slice"):
-        jdp.make_train_step(mlp_loss, not_elementwise, shard_optimizer_state=True)
     with pytest.raises(ValueError, match=r"shard_optimizer_state=True needs backend='shard_map' \(got 'pmap'\)"):
         jdp.make_train_step(mlp_loss, optax.adam(1e-3), backend="pmap", shard_optimizer_state=True)
     with pytest.raises(ValueError, match=r"shard_optimizer_state='yes' must be True or False"):
         jdp.make_train_step(mlp_loss, optax.adam(1e-3), shard_optimizer_state="yes")
-    # jdp's own clipping sees the whole gradient, so a chain with it is accepted
-    jdp.make_train_step(mlp_loss, optax.chain(jdp.zero.clip_by_global_norm(1.0), optax.adam(1e-3)),
-                        shard_optimizer_state=True)
 
 
 def test_padding_never_decides_a_skip():
@@ -192,20 +189,6 @@ def test_padding_never_decides_a_skip():
     _, sharded, _ = run(4, spec, steps=3, skip_nonfinite=True, shard_optimizer_state=True)
     assert int(replicated.skipped) == int(sharded.skipped) == 0
     assert_close(jdp.get_params(sharded), jdp.get_params(replicated))
-
-
-def test_the_padding_mask_keeps_every_real_slot_and_no_padding_slot():
-    # What the non-finite check sees of a sharded leaf: 5 elements cut for 4 devices (2 each, slots
-    # 5..7 padding). One slot too many lets padding decide a skip; one too few hides a real NaN.
-    from jax.sharding import PartitionSpec as P
-
-    from jdp.core.mesh import make_mesh
-    from jdp.core.zero import Slices
-
-    slices = Slices({"b": np.zeros(5, np.float32)}, 4)
-    real = jax.jit(jax.shard_map(lambda x: slices.real(x, slices.chunks[0], slices.leaves[0]),
-                                 mesh=make_mesh(jax.devices()[:4]), in_specs=P("data"), out_specs=P("data")))
-    assert real(jnp.ones(8)).tolist() == [1, 1, 1, 1, 1, 0, 0, 0]
 
 
 def test_config_key_and_its_refusal():
@@ -224,11 +207,12 @@ def test_leaves_of_two_dtypes_scatter_and_gather_per_dtype():
     # One reduce-scatter and one all-gather per dtype: a float32 and a bfloat16 leaf (and float32
     # precision, so bf16 params are allowed) come back in their own dtypes and values.
     def loss(params, batch):
-        h = batch["x"] @ params["w"] + params["b"].astype(jnp.float32)
+        h = batch["x"] @ params["w"] + params["b"].astype(jnp.float32) + params["c"].astype(jnp.float32).sum(1)
         return jnp.mean((h - batch["t"]) ** 2)
 
-    params = {"w": np.linspace(-1, 1, 15, dtype=np.float32).reshape(5, 3), "b": np.zeros(3, jnp.bfloat16)}
-    batch = {"x": np.linspace(0, 1, 40, dtype=np.float32).reshape(8, 5), "t": np.ones((8, 3), np.float32)}
+    params = {"w": np.linspace(-1, 1, 24, dtype=np.float32).reshape(8, 3), "b": np.zeros(3, jnp.bfloat16),
+              "c": np.zeros((3, 4), jnp.bfloat16)}
+    batch = {"x": np.linspace(0, 1, 64, dtype=np.float32).reshape(8, 8), "t": np.ones((8, 3), np.float32)}
     finals, reports = [], []
     for shard in (False, True):
         step = jdp.make_train_step(loss, optax.adam(1e-2), devices=jax.devices()[:4], shard_optimizer_state=shard)

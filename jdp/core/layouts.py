@@ -55,6 +55,10 @@ class ShardMapLayout:
         """Fit the layout to `params`' shapes; True if that changed `state_shardings` (never here)."""
         return False
 
+    def step_optimizer(self, tx: optax.GradientTransformation) -> optax.GradientTransformation:
+        """The transformation the algorithm calls on this layout's view of the gradient (here `tx` itself)."""
+        return tx
+
     # The optimizer's view (see `jdp.core.algorithm.reduce_and_update`): here every device reduces the
     # whole gradient and updates all the params; `jdp.zero.ShardedStateLayout` slices them.
     def reduce(self, grads, means, o):

@@ -94,11 +94,10 @@ class OptimizerSpec:
         lr = self.lr_schedule()
         return float(lr(step)) if callable(lr) else float(lr)
 
-    def build(self, sharded: bool = False, axis: str = "data") -> optax.GradientTransformation:
-        """The optax chain: `clip_by_global_norm` (if set), then the optimizer with `lr_schedule()`.
+    def build(self) -> optax.GradientTransformation:
+        """The optax chain: `optax.clip_by_global_norm` (if set), then the optimizer with `lr_schedule()`.
 
-        `sharded`: the gradient arrives in slices over the devices (shard_optimizer_state), so the
-        clipping norm is computed from every device's slice over mesh axis `axis` (`jdp.zero.clip_by_global_norm`).
+        The sharded layouts run it as written, on the whole gradient's norm (`jdp.core.blockwise`).
         """
         lr = self.lr_schedule()
         if self.name == "sgd":
@@ -111,9 +110,6 @@ class OptimizerSpec:
             opt = optax.adamw(lr, b1=self.b1, b2=self.b2, eps=self.eps, weight_decay=self.weight_decay)
         if self.clip_norm is None:
             return opt
-        if sharded:
-            from jdp.core.zero import clip_by_global_norm  # the sharded layout's module: needs the mesh axis
-            return optax.chain(clip_by_global_norm(self.clip_norm, axis), opt)
         return optax.chain(optax.clip_by_global_norm(self.clip_norm), opt)
 
     def replace(self, **changes) -> OptimizerSpec:
@@ -178,12 +174,12 @@ def check_optimizer(optimizer, params, accum_steps: int) -> None:
 
 
 def for_reduction(optimizer: optax.GradientTransformation | OptimizerSpec, lr_correction: str,
-                  num_devices: int, sharded: bool = False, axis: str = "data") -> optax.GradientTransformation:
+                  num_devices: int) -> optax.GradientTransformation:
     """The transformation that consumes a gradient reduced over `num_devices`, with the psum correction applied.
 
     `lr_correction` (resolved; see `jdp.core.options.StepOptions`): "none" builds `optimizer` as it is;
     "auto" scales every update by 1/N; "exact" builds `exact_sum_spec(optimizer, N)`, which needs
-    an `OptimizerSpec`. `sharded`, `axis`: see `OptimizerSpec.build`.
+    an `OptimizerSpec`.
     """
     if lr_correction not in LR_CORRECTIONS:
         raise ValueError(f"lr_correction={lr_correction!r} is not supported; use one of {LR_CORRECTIONS}.")
@@ -191,8 +187,8 @@ def for_reduction(optimizer: optax.GradientTransformation | OptimizerSpec, lr_co
         if not isinstance(optimizer, OptimizerSpec):
             raise ValueError("lr_correction='exact' needs a jdp.OptimizerSpec (it changes the spec's "
                              "scale-dependent hyperparameters), not a bare optax transformation.")
-        return exact_sum_spec(optimizer, num_devices).build(sharded, axis)
-    tx = optimizer.build(sharded, axis) if isinstance(optimizer, OptimizerSpec) else optimizer
+        return exact_sum_spec(optimizer, num_devices).build()
+    tx = optimizer.build() if isinstance(optimizer, OptimizerSpec) else optimizer
     if lr_correction == "auto":
         # Every optax update is linear in the learning rate, so scaling the update by 1/N is
         # lr/N for any optimizer: exact for SGD and momentum, wrong for Adam (see jdp explain).

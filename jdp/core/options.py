@@ -50,6 +50,7 @@ class StepOptions:
     axis_name: str = "data"  # the mesh axis the step binds; code that reduces over "batch" passes "batch"
     sync_batchnorm: bool = True  # model state out of the loss must agree on every device (checked)
     shard_params: bool = False  # FSDP: 1/N of the params too; implies shard_optimizer_state
+    gather_in_model: bool = False  # shard_params: the model gathers its params itself (`jdp.fsdp.gather`), per layer
 
     def __post_init__(self):
         for field, choices in (("backend", BACKENDS), ("reduction", REDUCTIONS), ("accum_sync", ACCUM_SYNCS)):
@@ -58,12 +59,15 @@ class StepOptions:
         if not _is_int(self.accum_steps) or self.accum_steps < 1:
             raise OptionError("accum_steps", f"accum_steps={self.accum_steps!r} must be an integer of at least 1.")
         for field in ("has_aux", "needs_rng", "has_state", "skip_nonfinite", "grad_norm", "shard_optimizer_state",
-                      "sync_batchnorm", "shard_params"):
+                      "sync_batchnorm", "shard_params", "gather_in_model"):
             if not isinstance(getattr(self, field), (bool, np.bool_)):
                 raise OptionError(field, f"{field}={getattr(self, field)!r} must be True or False.")
         if self.shard_params and self.backend != "shard_map":
             raise OptionError("shard_params", f"shard_params=True needs backend='shard_map' (got {self.backend!r}): "
                               f"pmap keeps a whole copy of the params on every device.")
+        if self.gather_in_model and not self.shard_params:
+            raise OptionError("gather_in_model", "gather_in_model=True needs shard_params=True: only split params "
+                              "are handed to the model to gather.")
         if self.shard_params:  # the params' slices are updated by the optimizer state's slices
             object.__setattr__(self, "shard_optimizer_state", True)
         if self.shard_optimizer_state and self.backend != "shard_map":
@@ -79,6 +83,10 @@ class StepOptions:
                 object.__setattr__(self, field, dtype_name(getattr(self, field), field, allow_none))
             except ValueError as e:
                 raise OptionError(field, str(e)) from None
+        if self.gather_in_model and self.reduce_dtype is not None:
+            raise OptionError("gather_in_model", f"gather_in_model=True reduce-scatters each layer's gradient in the "
+                              f"backward pass, in the params' dtype, so reduce_dtype={self.reduce_dtype!r} cannot "
+                              f"apply; use reduce_dtype=None.")
         object.__setattr__(self, "accum_steps", int(self.accum_steps))
         object.__setattr__(self, "lr_correction", self._resolved_lr_correction())
 

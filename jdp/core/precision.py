@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jdp.core.split import is_split
 from jdp.text import shorten
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -54,7 +55,9 @@ def dtype_name(value, field: str, allow_none: bool = False) -> str | None:
 
 def cast_floats(tree, dtype):
     """`tree` with every floating leaf cast to `dtype` (integer tokens, labels and keys untouched)."""
-    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(jnp.result_type(x), jnp.floating) else x, tree)
+    # a `Split` (a block the model gathers itself) records the cast and applies it after its gather
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype if is_split(x) else jnp.result_type(x),
+                                                                  jnp.floating) else x, tree, is_leaf=is_split)
 
 
 def in_precision(loss, precision: str, mask_key: str | None):

@@ -80,7 +80,7 @@ import numpy as np
 import optax
 
 from jdp.core.algorithm import Step, device_step
-from jdp.core.fsdp import FullyShardedLayout, is_shard
+from jdp.core.fsdp import FullyShardedLayout, host_whole
 from jdp.core.layouts import LAYOUTS, UNSIZED, aux_shapes
 from jdp.core.loss import batch_rows, call_loss
 from jdp.core.mesh import DATA_AXIS, batch_sharded, make_mesh
@@ -89,7 +89,7 @@ from jdp.core.optim import OptimizerSpec, check_optimizer, for_reduction, with_g
 from jdp.core.options import StepOptions
 from jdp.core.precision import check_master_params, in_precision
 from jdp.core.state import TrainState
-from jdp.core.zero import ShardedStateLayout, check_elementwise
+from jdp.core.zero import ShardedStateLayout
 from jdp.cpu import RunAhead
 
 
@@ -116,13 +116,15 @@ class TrainStep:
         self._given_optimizer = optimizer
         # accum_sync="last" sums per device; "every" (M > 1) sums reduced, replicated metrics.
         accum = "per_device" if o.local_accum else "replicated" if o.multi_steps else None
-        self.layout = (FullyShardedLayout(self.mesh, accum, self.optimizer, o.precision) if o.shard_params
+        self.layout = (FullyShardedLayout(self.mesh, accum, self.optimizer, o.precision, o.gather_in_model)
+                       if o.shard_params
                        else ShardedStateLayout(self.mesh, accum, self.optimizer) if o.shard_optimizer_state
                        else LAYOUTS[o.backend](self.mesh, accum))
         declared = partial(call_loss, loss_fn, o)  # as loss_fn declares it, before any cast
         self._loss = in_precision(declared, o.precision, o.mask_key)
         self._first = _FirstCall(self.layout, self.mesh, declared, self._loss, o)
-        self._step = self.layout.compile(partial(self._traced, Step(self._loss, self.optimizer, o, self.layout)))
+        algorithm = Step(self._loss, self.layout.step_optimizer(self.optimizer), o, self.layout)
+        self._step = self.layout.compile(partial(self._traced, algorithm))
         self._init = None  # built by init, once the layout knows the params' shapes
         self.run_ahead = RunAhead(self.devices)  # bounds steps in flight on CPU devices (see jdp.cpu)
         self._placement = _Placement(self.mesh, self.layout, o, self.local_devices, self.multi_process)
@@ -309,10 +311,9 @@ class _Placement:
 
 def step_optimizer(optimizer, o: StepOptions, n: int) -> optax.GradientTransformation:
     """The transformation the step applies to the reduced gradient: `optimizer` with the psum
-    correction, checked elementwise if its state is sharded, in optax.MultiSteps for "every"."""
-    tx = for_reduction(optimizer, o.lr_correction, n, o.shard_optimizer_state, o.axis_name)
-    if o.shard_optimizer_state:
-        check_elementwise(tx, o.axis_name, "shard_params" if o.shard_params else "shard_optimizer_state")
+    correction, in optax.MultiSteps for "every" (which divides a weighted loss's gradient sums by the
+    step's whole weight: `with_grad_scale`)."""
+    tx = for_reduction(optimizer, o.lr_correction, n)
     if not o.multi_steps:
         return tx
     return optax.MultiSteps(with_grad_scale(tx), every_k_schedule=o.accum_steps).gradient_transformation()
@@ -363,7 +364,8 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation |
                     accum_steps: int = 1, accum_sync: str = "every", skip_nonfinite: bool = False,
                     grad_norm: bool = True, precision="float32", reduce_dtype=None,
                     shard_optimizer_state: bool = False, shard_params: bool = False,
-                    axis_name: str = DATA_AXIS, sync_batchnorm: bool = True) -> TrainStep:
+                    axis_name: str = DATA_AXIS, sync_batchnorm: bool = True,
+                    gather_in_model: bool = False) -> TrainStep:
     """Build a data-parallel training step.
 
     Args:
@@ -403,6 +405,9 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation |
         state; the same step, the same ring traffic (`jdp.core.step`'s docstring, `jdp.zero`).
       shard_params: fully sharded data parallel (shard_map only; implies shard_optimizer_state):
         each device keeps 1/N of every params leaf too (`jdp.core.step`'s docstring, `jdp.fsdp`).
+      gather_in_model: shard_params only: hand the loss every split params leaf as a
+        `jdp.fsdp.Split` (this device's block) for the model to gather itself with
+        `jdp.fsdp.gather`, one layer at a time inside its scanned layers (`jdp.core.split`).
       axis_name: the mesh axis the step binds and reduces over (default "data"); code that reduces
         over its own axis ('batch') runs unchanged with it (`jdp.core.step`'s docstring).
       sync_batchnorm: has_state only. True (default): the new model state must come out of the loss
@@ -417,7 +422,8 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation |
                           needs_rng=needs_rng, has_state=has_state, mask_key=mask_key, accum_steps=accum_steps,
                           accum_sync=accum_sync, skip_nonfinite=skip_nonfinite, grad_norm=grad_norm,
                           precision=precision, reduce_dtype=reduce_dtype, shard_optimizer_state=shard_optimizer_state,
-                          shard_params=shard_params, axis_name=axis_name, sync_batchnorm=sync_batchnorm)
+                          shard_params=shard_params, axis_name=axis_name, sync_batchnorm=sync_batchnorm,
+                          gather_in_model=gather_in_model)
     return TrainStep(loss_fn, optimizer, options, devices)
 
 
@@ -432,10 +438,8 @@ def get_tree(state: TrainState, tree):
     sharded leaf of the optimizer state (shard_optimizer_state) whole, as the step holds it
     (`step.canonical(state)` gives it the params' shapes); sharded params in their shapes."""
     def host(x):
-        if is_shard(x):
-            return x.whole()
         if state.stacked:
             return np.asarray(x.addressable_data(0))[0]
-        return np.asarray(x.addressable_data(0) if x.sharding.is_fully_replicated else jax.device_get(x))
+        return np.asarray(x.addressable_data(0)) if x.sharding.is_fully_replicated else host_whole(x)
 
-    return jax.tree.map(host, tree, is_leaf=is_shard)
+    return jax.tree.map(host, tree)

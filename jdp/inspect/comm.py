@@ -154,9 +154,8 @@ def comm_report(step, state, batch) -> CommReport:
     with their f32 bytes and marked `widened`; GPUs send them as bf16.
     """
     hlo = step.lower(state, batch).compile().as_text()
-    slices = getattr(step.layout, "slices", None)  # a sharded layout's: the params' own shapes
-    params = slices.leaves if slices is not None else jax.tree.leaves(state.params)
-    per_copy = [x.shape if slices is not None else x.shape[1:] if state.stacked else x.shape for x in params]
+    params = jax.tree.leaves(state.params)  # every layout keeps the params' own shapes
+    per_copy = [x.shape[1:] if state.stacked else x.shape for x in params]
     sent = step.options.reduce_dtype
     itemsize = lambda x: np.dtype(sent).itemsize if sent and jnp.issubdtype(x.dtype, jnp.floating) else x.dtype.itemsize  # noqa: E731
     grad_bytes = int(sum(np.prod(s, dtype=np.int64) * itemsize(x) for s, x in zip(per_copy, params)))

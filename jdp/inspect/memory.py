@@ -19,13 +19,14 @@ class MemoryReport:
 
     devices: int
     sharded: bool  # shard_optimizer_state (also true with shard_params)
-    params: int  # between steps: whole, or this device's slices (shard_params)
+    params: int  # between steps: whole, or this device's blocks (shard_params)
     gradient: int  # the backward pass's gradient: whole on every device in every layout
-    reduced_gradient: int  # after the reduction: the whole gradient, or this device's slice
+    reduced_gradient: int  # after the reduction: the whole gradient, or this device's blocks
     optimizer_state: int
     accumulator: int  # accum_sync="last": this device's gradient sums; "every": a few scalars
     compiled: dict | None = None  # XLA's memory analysis of the compiled step, bytes per device
-    params_sharded: bool = False  # shard_params: the params are kept in slices between steps
+    params_sharded: bool = False  # shard_params: the params are kept split between steps
+    gathered: str | None = None  # shard_params: "whole model" (before the loss) or "per layer, by the model"
 
     @property
     def state(self) -> int:
@@ -42,9 +43,14 @@ class MemoryReport:
         c = self.compiled
         return c["argument"] + c["output"] - c["alias"] + c["temp"]
 
+    @property
+    def layout(self) -> str:
+        """The layout in words: replicated, ZeRO-1 or FSDP, and how FSDP gathers the params."""
+        return (f"params, gradient and optimizer state sharded, gathered {self.gathered}" if self.params_sharded
+                else "optimizer state sharded" if self.sharded else "replicated")
+
     def __str__(self) -> str:
-        layout = ("params, gradient and optimizer state sharded" if self.params_sharded
-                  else "optimizer state sharded" if self.sharded else "replicated")
+        layout = self.layout
         text = (f"{self.devices} device(s), {layout}: per device params {self.params:,} B, gradient "
                 f"{self.gradient:,} B (reduced: {self.reduced_gradient:,} B), optimizer state "
                 f"{self.optimizer_state:,} B, accumulator {self.accumulator:,} B")
@@ -59,16 +65,13 @@ def memory_report(step, state, batch=None) -> MemoryReport:
     analysis of the compiled step: arguments, outputs, the bytes of outputs aliased to donated
     arguments, temporaries, and `peak` (XLA's own peak estimate; on CPU it leaves the
     temporaries out, so `MemoryReport.allocated` is the figure to compare there)."""
-    slices = getattr(step.layout, "slices", None)
-    # the params' own shapes: a sharded layout's slices know them (with shard_params the state holds flat slices)
-    shapes = (slices.leaves if slices is not None else
+    cuts = getattr(step.layout, "cuts", None)  # a sharded layout's: the params' own shapes and splits
+    shapes = (cuts.leaves if cuts is not None else
               [jax.ShapeDtypeStruct(np.shape(x)[1:] if state.stacked else np.shape(x), x.dtype)
                for x in jax.tree.leaves(state.params)])
-    float_bytes = int(sum(np.prod(x.shape, dtype=np.int64) * x.dtype.itemsize
-                          for x in shapes if np.issubdtype(x.dtype, np.inexact)))
-    reduced = (float_bytes if slices is None else
-               int(sum(c * leaf.dtype.itemsize for c, leaf in zip(slices.chunks, slices.leaves)
-                       if np.issubdtype(leaf.dtype, np.inexact))))
+    floating = [i for i, x in enumerate(shapes) if np.issubdtype(x.dtype, np.inexact)]
+    float_bytes = int(sum(np.prod(shapes[i].shape, dtype=np.int64) * shapes[i].dtype.itemsize for i in floating))
+    reduced = float_bytes if cuts is None else int(sum(cuts.block_bytes(i) for i in floating))
     compiled = None
     if batch is not None:
         stats = step.lower(state, batch).compile().memory_analysis()
@@ -76,8 +79,11 @@ def memory_report(step, state, batch=None) -> MemoryReport:
                                                for name in ("argument", "output", "alias", "temp")}
         if compiled is not None:
             compiled["peak"] = int(getattr(stats, "peak_memory_in_bytes", 0) or 0)
-    return MemoryReport(devices=step.num_devices, sharded=slices is not None, params=bytes_on_one_device(state.params),
+    return MemoryReport(devices=step.num_devices, sharded=cuts is not None, params=bytes_on_one_device(state.params),
                         gradient=float_bytes, reduced_gradient=reduced,
                         optimizer_state=bytes_on_one_device(state.opt_state),
                         accumulator=bytes_on_one_device(state.accum), compiled=compiled,
-                        params_sharded=bool(step.options.shard_params))
+                        params_sharded=bool(step.options.shard_params),
+                        gathered=None if not step.options.shard_params else
+                        "per layer, by the model (gather_in_model)" if step.options.gather_in_model else
+                        "whole model, before the loss")

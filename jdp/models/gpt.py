@@ -11,6 +11,12 @@ Options: `dtype` (compute dtype; params and logits stay float32), `attention="fu
 from `jax.nn.dot_product_attention(..., is_causal=True)` instead of a materialised mask, same
 params) and `remat=True` (each block is recomputed in the backward pass instead of storing its
 activations: less memory, one more forward pass of the blocks).
+
+`scan_layers=True` stacks the blocks' params (a leading axis of n_layers, made with `nnx.vmap`)
+and runs them in one `jax.lax.scan` whose body takes one layer's params; with remat the body is a
+`jax.checkpoint`. Every params use goes through `jdp.fsdp.gather`: the identity, except under
+`shard_params=True, gather_in_model=True`, where the body gathers that one layer's params (and
+the backward pass reduce-scatters its gradient), so the compiled step holds about one layer whole.
 """
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jdp.core.split import gather
 from jdp.models.dtypes import compute_dtype
 
 _EMBED_INIT = nnx.initializers.normal(stddev=0.02)
@@ -100,6 +107,34 @@ def _block_forward(block: Block, x: jax.Array, mask: jax.Array | None, train: bo
 _remat_block_forward = nnx.remat(_block_forward, static_argnums=(3,))
 
 
+def stacked_blocks(n_layers: int, *args, rngs: nnx.Rngs, **kwargs) -> Block:
+    """`n_layers` Blocks as one module whose params have a leading axis of n_layers (`nnx.vmap`)."""
+    @nnx.split_rngs(splits=n_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+        return Block(*args, rngs=rngs, **kwargs)
+
+    return make(rngs)
+
+
+def scan_blocks(layers: Block, x, mask, train: bool, rngs: nnx.Rngs | None, n_layers: int, remat: bool):
+    """x (batch, T, d_model) through the stacked blocks, one `lax.scan` step per layer.
+
+    The body gathers its layer's params (`jdp.fsdp.gather`: a no-op unless the model gathers its
+    own split params) and, with `remat`, is a `jax.checkpoint`: the backward pass gathers again
+    instead of keeping every layer's whole params. Dropout draws one key per layer.
+    """
+    graphdef, stack = nnx.split(layers)
+    keys = None if rngs is None else jax.random.split(rngs.dropout(), n_layers)
+
+    def body(x, xs):
+        layer, key = xs
+        block = nnx.merge(graphdef, gather(layer))
+        return block(x, mask, train=train, rngs=None if key is None else nnx.Rngs(dropout=key)), None
+
+    return jax.lax.scan(jax.checkpoint(body) if remat else body, x, (stack, keys))[0]
+
+
 class GPT(nnx.Module):
     """Token + learned position embeddings, `n_layers` causal blocks, final LayerNorm, linear head.
 
@@ -111,12 +146,13 @@ class GPT(nnx.Module):
     a (batch, 1, T, T) causal mask), "fused" (the same module and params, attention through
     `jax.nn.dot_product_attention(is_causal=True)`, which in jax 0.10 runs XLA's implementation on
     every backend) or "cudnn" (the same call with implementation="cudnn": cuDNN flash attention,
-    GPUs and bfloat16 only). `remat=True` rematerialises every block.
+    GPUs and bfloat16 only). `remat=True` rematerialises every block; `scan_layers=True` stacks
+    them and runs them in one `lax.scan` (`scan_blocks`).
     """
 
     def __init__(self, vocab_size: int, context: int, d_model: int = 64, n_heads: int = 4, n_layers: int = 2,
                  dropout: float = 0.1, *, dtype=None, attention: str = "flax", remat: bool = False,
-                 rngs: nnx.Rngs):
+                 scan_layers: bool = False, rngs: nnx.Rngs):
         if min(vocab_size, context, d_model, n_heads, n_layers) < 1:
             raise ValueError(f"vocab_size={vocab_size}, context={context}, d_model={d_model}, n_heads={n_heads} "
                              f"and n_layers={n_layers} must all be positive.")
@@ -131,13 +167,17 @@ class GPT(nnx.Module):
             raise ValueError(f"attention='cudnn' (cuDNN flash attention) needs a GPU and dtype bfloat16; here jax "
                              f"runs on {jax.default_backend()!r} with dtype {jnp.dtype(dtype).name}: use 'fused'.")
         self.context, self.dropout = int(context), float(dropout)
-        self.attention, self.remat = attention, bool(remat)
+        self.attention, self.remat, self.scan_layers, self.n_layers = attention, bool(remat), bool(scan_layers), n_layers
         kw = dict(dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
         self.tok_embed = nnx.Embed(vocab_size, d_model, embedding_init=_EMBED_INIT, **kw)
         self.pos_embed = nnx.Embed(context, d_model, embedding_init=_EMBED_INIT, **kw)
         self.drop = nnx.Dropout(dropout)
-        self.blocks = nnx.List([Block(d_model, n_heads, dropout, dtype=dtype, attention=attention, rngs=rngs)
-                                for _ in range(n_layers)])
+        if scan_layers:
+            self.layers = stacked_blocks(n_layers, d_model, n_heads, dropout, dtype=dtype, attention=attention,
+                                         rngs=rngs)
+        else:
+            self.blocks = nnx.List([Block(d_model, n_heads, dropout, dtype=dtype, attention=attention, rngs=rngs)
+                                    for _ in range(n_layers)])
         self.ln_f = nnx.LayerNorm(d_model, **kw)
         self.head = nnx.Linear(d_model, vocab_size, use_bias=False, **kw)
 
@@ -155,11 +195,16 @@ class GPT(nnx.Module):
         if t > self.context:
             raise ValueError(f"sequence length {t} exceeds the model's context of {self.context}.")
         rngs = _dropout_rngs(rngs, train, self.dropout)
+        for part in ((self.tok_embed, self.pos_embed, self.ln_f, self.head) if self.scan_layers else (self,)):
+            nnx.update(part, gather(nnx.state(part)))  # whole params outside the scanned layers
         x = self.tok_embed(tokens) + self.pos_embed(jnp.arange(t))
         x = self.drop(x, deterministic=not train, rngs=rngs)
         # "fused"/"cudnn" get causality from is_causal, so no (T, T) mask is materialised for them.
         mask = nnx.make_causal_mask(tokens) if self.attention == "flax" else None
-        forward = _remat_block_forward if self.remat else _block_forward
-        for block in self.blocks:
-            x = forward(block, x, mask, train, rngs)
+        if self.scan_layers:
+            x = scan_blocks(self.layers, x, mask, train, rngs, self.n_layers, self.remat)
+        else:
+            forward = _remat_block_forward if self.remat else _block_forward
+            for block in self.blocks:
+                x = forward(block, x, mask, train, rngs)
         return self.head(self.ln_f(x)).astype(jnp.float32)

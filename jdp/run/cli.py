@@ -45,6 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_parser(sub)
     add_configs_parser(sub)
     add_data_parser(sub)
+    memory = sub.add_parser("memory", help="bytes per device of a config's step, replicated / ZeRO-1 / FSDP",
+                            description="Compile CONFIG's step in each layout (nothing is trained) and print "
+                            "the state between steps and the compiled step's peak, bytes per device.")
+    memory.add_argument("config", nargs="?", help="YAML config (default: the built-in digits MLP)")
+    memory.add_argument("--devices", type=_positive_int, help="number of devices (as for jdp train)")
+    memory.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     return parser
 
 
@@ -326,6 +332,16 @@ def cmd_explain(args) -> int:
     return 0
 
 
+def cmd_memory(args) -> int:
+    args.steps = args.log_every = args.checkpoint_every = args.coordinator = args.num_processes = None
+    args.auto_distributed, args.process_id = False, None
+    config, devices = _train_config_and_devices(args)
+    from jdp.run.memory_table import memory_table, render
+
+    print(render(memory_table(config, devices), len(devices)))
+    return 0
+
+
 def cmd_config(args) -> int:
     import json
 
@@ -353,7 +369,7 @@ def _main(argv: list[str] | None) -> int:
                          num_processes=args.num_processes, init_timeout=args.init_timeout)
     try:
         return {"train": cmd_train, "explain": cmd_explain, "plot": cmd_plot, "config": cmd_config,
-                "configs": cmd_configs, "data": cmd_data}[args.command](args)
+                "configs": cmd_configs, "data": cmd_data, "memory": cmd_memory}[args.command](args)
     except ValueError as e:  # bad input: one sentence, exit code 2, no traceback
         print(f"jdp: error: {e}", file=sys.stderr)
         return 2

@@ -46,7 +46,8 @@ HASH_EXCLUDED = ("data.eval_batch_size", "data.val_path", "data.threads", "data.
 PLACEMENT_ONLY = ("train.accelerator_only",)
 # Identity fields added after checkpoints already existed, with the value every earlier run had:
 # a checkpoint whose identity lacks one resumes when the config keeps that value.
-ADDED_DEFAULTS = {"model.attention": "flax", "model.remat": False, "parallel.reduce_dtype": None,
+ADDED_DEFAULTS = {"model.attention": "flax", "model.remat": False, "model.scan_layers": False,
+                  "parallel.reduce_dtype": None,
                   "train.precision": "float32", "data.dtype": "uint16", "data.vocab_size": None}
 
 
@@ -184,8 +185,9 @@ def validate(config: Config, num_devices: int | None) -> Config:
     if m.sync_batchnorm and m.name != "cnn":
         raise ConfigError(f"model.sync_batchnorm=true needs model.name='cnn' (the model with BatchNorm), "
                           f"got {m.name!r}.")
-    if m.name != "gpt" and (m.attention != "flax" or m.remat):
-        key = f"model.attention={m.attention!r}" if m.attention != "flax" else "model.remat=true"
+    if m.name != "gpt" and (m.attention != "flax" or m.remat or m.scan_layers):
+        key = (f"model.attention={m.attention!r}" if m.attention != "flax" else "model.remat=true" if m.remat
+               else "model.scan_layers=true")
         raise ConfigError(f"{key} applies to the transformer only and needs model.name='gpt', got {m.name!r}.")
     if m.attention == "cudnn" and config.train.precision != "bfloat16":  # (the model checks for a GPU itself)
         raise ConfigError(f"model.attention='cudnn' (cuDNN flash attention) computes in bfloat16 and needs "

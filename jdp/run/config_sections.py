@@ -86,12 +86,17 @@ class ModelConfig(Section):
     remat: bool = False
     """gpt only: recompute each transformer block in the backward pass instead of storing its
     activations (less memory, one more forward pass of the blocks). Other models refuse true."""
+    scan_layers: bool = False
+    """gpt only: stack the blocks' params and run them in one lax.scan (with model.remat, a
+    rematerialised scan body). Under parallel.shard_params each layer's params are then gathered
+    inside the scan body and its gradient reduce-scattered there: the step's peak holds about one
+    layer whole instead of the model. Other models refuse true."""
 
     _section: ClassVar[str] = "model"
     _rules: ClassVar[dict[str, Rule]] = dict(
         name=one_of(MODELS), hidden=WIDTHS, channels=TWO_WIDTHS, sync_batchnorm=BOOL, d_model=POSITIVE_INT,
         n_heads=POSITIVE_INT, n_layers=POSITIVE_INT, dropout=UNIT, context=POSITIVE_INT,
-        attention=one_of(ATTENTIONS), remat=BOOL)
+        attention=one_of(ATTENTIONS), remat=BOOL, scan_layers=BOOL)
 
 
 @dataclass(frozen=True)

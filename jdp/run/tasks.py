@@ -10,6 +10,7 @@ from flax import nnx
 
 from jdp.bridges.task import Task
 from jdp.core.precision import DTYPES
+from jdp.core.step import make_train_step
 from jdp.core.weighting import Weighted
 import jdp.data as D
 from jdp.data import MASK_KEY, ArrayDataset
@@ -154,7 +155,7 @@ def build_task(config) -> Task:
     """The task a `jdp.config.Config` describes (model × dataset), initialised from train.seed.
 
     The models compute in train.precision's dtype (`compute_dtype`; params stay float32, logits
-    float32), in training and in evaluation alike; the gpt takes model.attention and model.remat.
+    float32), in training and in evaluation alike; the gpt takes model.attention, model.remat and model.scan_layers.
     The linear regression has no model: the step's cast of params and inputs sets its dtype.
     """
     m, d = config.model, config.data
@@ -168,14 +169,16 @@ def build_task(config) -> Task:
         train = D.char_windows(corpus.train, m.context, stride=m.context // 2)
         test = D.char_windows(corpus.val, m.context, stride=m.context)
         model = GPT(corpus.vocab_size, m.context, d_model=m.d_model, n_heads=m.n_heads, n_layers=m.n_layers,
-                    dropout=m.dropout, dtype=dtype, attention=m.attention, remat=m.remat, rngs=rngs)
+                    dropout=m.dropout, dtype=dtype, attention=m.attention, remat=m.remat,
+                    scan_layers=m.scan_layers, rngs=rngs)
         return _language_model(functional(model), f"char GPT ({corpus.vocab_size} symbols)", train, test)
     if d.name == "tokens":
         train = D.load_tokens(d.path, context_length=m.context, dtype=d.dtype, vocab_size=d.vocab_size)
         test = d.val_path and D.load_tokens(d.val_path, context_length=m.context, dtype=d.dtype,
                                             vocab_size=d.vocab_size)
         model = GPT(d.vocab_size, m.context, d_model=m.d_model, n_heads=m.n_heads, n_layers=m.n_layers,
-                    dropout=m.dropout, dtype=dtype, attention=m.attention, remat=m.remat, rngs=rngs)
+                    dropout=m.dropout, dtype=dtype, attention=m.attention, remat=m.remat,
+                    scan_layers=m.scan_layers, rngs=rngs)
         return _language_model(functional(model), f"GPT on tokens {quoted(d.path)} ({d.vocab_size} ids)", train,
                                test or None)
     if d.name == "digits":
@@ -208,3 +211,18 @@ def build_task(config) -> Task:
     task = _classifier(functional(model), f"{m.name} on {d.name} ({n_classes} classes)", train, test)
     # The CNN without sync_batchnorm keeps per-device statistics, which the step must then accept.
     return dataclasses.replace(task, sync_batchnorm=m.name != "cnn" or m.sync_batchnorm)
+
+
+def train_step_for(config, task: Task, devices, **layout):
+    """The step `jdp train` runs for `config` (a `jdp.config.Config`) on `task`; `layout` overrides
+    shard_optimizer_state and shard_params (for `jdp memory`'s table)."""
+    p, t = config.parallel, config.train
+    layout = {"shard_optimizer_state": p.shard_optimizer_state, "shard_params": p.shard_params} | layout
+    return make_train_step(task.loss_fn, config.optimizer_spec(), backend=p.backend, reduction=p.reduction,
+                           lr_correction=p.lr_correction, devices=devices, has_aux=True, needs_rng=True,
+                           has_state=True, accum_steps=p.accum_steps, accum_sync=p.accum_sync,
+                           skip_nonfinite=t.max_nonfinite > 0, precision=t.precision, reduce_dtype=p.reduce_dtype,
+                           sync_batchnorm=task.sync_batchnorm, **layout,
+                           mask_key=MASK_KEY,  # a task's mean loss is sum(mask · l) / b on padded batches
+                           # a scanned GPT gathers each layer in its scan body: the peak holds one layer
+                           gather_in_model=layout["shard_params"] and config.model.scan_layers)

@@ -12,8 +12,9 @@ import jax
 
 from jdp.bridges.task import Task
 from jdp.core.evaluate import evaluate, make_eval_step
-from jdp.core.step import get_params, make_train_step
-from jdp.data import MASK_KEY, make_batches
+from jdp.core.step import get_params
+from jdp.data import make_batches
+from jdp.inspect.memory import memory_report
 from jdp.run.checkpoint import CheckpointMismatchError, Checkpointer
 from jdp.run.config import Config, validate
 from jdp.run.distributed import agree, any_process
@@ -21,7 +22,7 @@ from jdp.run.facts import RunFacts, itstime
 from jdp.run.lock import locked_workdir
 from jdp.run.metrics import MetricsWriter, load_metrics, peak_flops, plot_metrics, step_flops
 from jdp.run.profile import StepProfile, parse_steps
-from jdp.run.tasks import build_task
+from jdp.run.tasks import build_task, train_step_for
 from jdp.run.workfiles import refuse_symlink
 
 # load_metrics, plot_metrics: jdp.run.metrics's, kept importable from here
@@ -178,15 +179,9 @@ class _Parts:
     @classmethod
     def build(cls, config: Config, task: Task, devices: list, facts: RunFacts, paths: tuple = (None, None)) -> _Parts:
         """`paths`: the training and held-out files the task was read from, if any (named on a disagreement)."""
-        p, t, d = config.parallel, config.train, config.data
+        t, d = config.train, config.data
         spec = config.optimizer_spec()
-        step = make_train_step(task.loss_fn, spec, backend=p.backend, reduction=p.reduction,
-                               lr_correction=p.lr_correction, devices=devices, has_aux=True, needs_rng=True,
-                               has_state=True, accum_steps=p.accum_steps, accum_sync=p.accum_sync,
-                               skip_nonfinite=t.max_nonfinite > 0, precision=t.precision,
-                               reduce_dtype=p.reduce_dtype, shard_optimizer_state=p.shard_optimizer_state,
-                               shard_params=p.shard_params, sync_batchnorm=task.sync_batchnorm,
-                               mask_key=MASK_KEY)  # a task's mean loss is sum(mask · l) / b on padded batches
+        step = train_step_for(config, task, devices)
         # ... and on the data each builds (a file that differs between hosts): the training set decides
         # the batches, the held-out set how many evaluation batches reduce over the devices.
         facts = facts.with_data(task.train, task.test, paths=paths)
@@ -218,13 +213,14 @@ class _Loop:
     def run(self, state, start: int, end: int) -> tuple:
         """Train steps `start + 1 .. end`; returns (state, the step it ended at). A run complete
         before it starts trains nothing and repeats its held-out result, from the restored state."""
-        facts, throughput = self.facts, _Throughput(start)
+        facts, throughput, memory = self.facts, _Throughput(start), None
         self.saved = self.saved or start or None  # the newest checkpoint: the one resumed from, if any
         if start == end and self.eval_step is not None:
             self.eval_metrics = self.evaluate(state, start)
         for s in range(start + 1, end + 1):
             with self.profile.step(s):
                 for micro in self.step.micro_batches(self.next_batch(s, state)):
+                    memory = self.memory(state, micro) if s == start + 1 and memory is None else memory
                     state, metrics = self.step(state, micro)
             self.profile.done(s, metrics)
             self.writer.advance()
@@ -233,6 +229,7 @@ class _Loop:
                 flops_per_step = step_flops(self.step, state, micro)
                 record["compile_s"] = throughput.first_step(metrics)
                 self.writer.log(f"step {s} compiled and ran in {record['compile_s']:.1f} s (left out of samples/s)")
+                record |= memory
             if facts.logs_at(s, end):
                 m = jax.device_get(metrics)
                 _check_finite(s, m, self.config.train.max_nonfinite)
@@ -258,6 +255,15 @@ class _Loop:
                 self.preempted = True
                 return state, s
         return state, end
+
+    def memory(self, state, micro) -> dict:
+        """Bytes per device of the state and of the compiled step's peak (`jdp.memory_report`), said at
+        the start and written with the first step's record. The step compiled here is the one the
+        first call runs (jax reuses the compilation)."""
+        report = memory_report(self.step, state, micro)
+        self.writer.log(f"memory per device ({report.layout}): state {report.state / 1e6:,.1f} MB, compiled "
+                        f"step peak {(report.allocated or 0) / 1e6:,.1f} MB")
+        return {"memory_state_bytes": report.state, "memory_peak_bytes": report.allocated}
 
     def evaluate(self, state, s: int) -> dict:
         """Metrics of `state` (after step `s`) over the whole held-out set; EvaluationOutOfMemoryError

@@ -1,0 +1,271 @@
+"""Part "fsdp_layers" of `python -m benchmarks.run`: the compiled step's peak per device for a GPT family at
+three sizes on N = 8 fake CPU devices, per layout, and the slope in bytes per parameter.
+
+Layouts, all on the same GPT with its layers scanned (`scan_layers=True`) and rematerialised, Adam
+in float32, 4 sequences of 128 tokens per device:
+
+- replicated, ZeRO-1 (`shard_optimizer_state`), FSDP gathering the whole model (`shard_params`);
+- FSDP with the model gathering each layer inside its scan body (`gather_in_model=True`);
+- the partitioner's FSDP: `jax.jit` with every params and optimizer leaf in a `NamedSharding`
+  split as jdp splits it (what MaxText and Levanter do), the same scanned, rematerialised model.
+
+The peak is XLA's memory analysis of the compiled step: arguments + outputs − aliased + temporaries.
+Each size is compiled (never run: the state is abstract) in a fresh process, with a timeout:
+
+  python -m benchmarks.fsdp_layers memory SIZE   # one RESULT line (JSON) for one size
+  python -m benchmarks.fsdp_layers time          # step-time ratios on the smallest size, one process
+  python -m benchmarks.fsdp_layers table         # every size and the times; benchmarks/results/fsdp_layers.md
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from benchmarks.common import ROOT, fresh_process_result, interleave, paired_ratio
+
+RESULTS = os.path.join(ROOT, "benchmarks", "results", "fsdp_layers.md")
+SIZES = {"2M": dict(d_model=192, n_layers=4), "8M": dict(d_model=384, n_layers=4),
+         "32M": dict(d_model=768, n_layers=4)}
+COMMON = dict(vocab=256, context=128, n_heads=4, per_device=4)
+LAYOUTS = {"replicated": {}, "zero1": {"shard_optimizer_state": True}, "fsdp_whole": {"shard_params": True},
+           "fsdp_layers": {"shard_params": True, "gather_in_model": True}}
+N = 8
+
+
+def _model(size: str, abstract: bool = True):
+    from flax import nnx
+
+    from jdp.models import GPT
+
+    g = {**COMMON, **SIZES[size]}
+    make = lambda: GPT(g["vocab"], g["context"], d_model=g["d_model"], n_heads=g["n_heads"],  # noqa: E731
+                       n_layers=g["n_layers"], dropout=0.0, scan_layers=True, remat=True, rngs=nnx.Rngs(0))
+    return (nnx.eval_shape(make) if abstract else make()), g
+
+
+def _loss(graphdef, rest):
+    import optax
+    from flax import nnx
+
+    def loss(params, batch):
+        logits = nnx.merge(graphdef, params, rest, copy=True)(batch["x"], train=False)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+    return loss
+
+
+def _batch(g, n: int, abstract: bool):
+    import jax
+    import numpy as np
+
+    shape = (g["per_device"] * n, g["context"])
+    if abstract:
+        return {k: jax.ShapeDtypeStruct(shape, np.int32) for k in ("x", "y")}
+    rng = np.random.default_rng(0)
+    return {k: rng.integers(0, g["vocab"], shape).astype(np.int32) for k in ("x", "y")}
+
+
+def jdp_step(graphdef, rest, layout: str):
+    import jax
+    import optax
+
+    import jdp
+
+    return jdp.make_train_step(_loss(graphdef, rest), optax.adam(1e-3), devices=jax.devices()[:N], grad_norm=False,
+                               **LAYOUTS[layout])
+
+
+def partitioner_step(graphdef, rest, params):
+    """`jax.jit` over global arrays: params and Adam's moments split as `jdp.zero.Cuts` splits them, the batch
+    along its first axis; the partitioner inserts the gathers and reductions."""
+    import jax
+    import optax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from jdp.zero import Cuts
+
+    mesh = Mesh(jax.devices()[:N], ("data",))
+    tx, loss = optax.adam(1e-3), _loss(graphdef, rest)
+    shard = jax.tree.map(lambda s: NamedSharding(mesh, s), Cuts(params, N).specs(), is_leaf=lambda x: isinstance(x, P))
+    opt_shard = optax.tree_map_params(tx, lambda _, s: s, jax.eval_shape(tx.init, params), shard,
+                                      transform_non_params=lambda _: NamedSharding(mesh, P()))
+
+    def step(params, opt_state, batch):
+        grads = jax.grad(loss)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    batch = NamedSharding(mesh, P("data"))
+    return (jax.jit(step, in_shardings=(shard, opt_shard, batch), out_shardings=(shard, opt_shard),
+                    donate_argnums=(0, 1)), shard, opt_shard, tx)
+
+
+def _peak(compiled) -> int:
+    m = compiled.memory_analysis()
+    return int(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes)
+
+
+def memory(size: str) -> dict:
+    """Peak bytes per device of every layout's compiled step for one size (abstract state: nothing allocated)."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from jdp.inspect.comm import parse_collectives
+
+    model, g = _model(size)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    count = int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
+    out = {"size": size, "model": g, "params": count, "peak": {}}
+    for layout in LAYOUTS:
+        step = jdp_step(graphdef, rest, layout)
+        step.layout.bind(params)
+        init = jax.jit(step._init_state, out_shardings=step.layout.state_shardings)
+        state = jax.eval_shape(init, params, (), jax.ShapeDtypeStruct((2,), np.uint32), {})
+        batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.NamedSharding(
+            step.mesh, jax.sharding.PartitionSpec(step.mesh.axis_names[0]))), _batch(g, N, True))
+        compiled = step._step.lower(state, batch).compile()
+        out["peak"][layout] = _peak(compiled)
+        if layout == "fsdp_layers":
+            kinds = [(c["kind"], c["computation"]) for c in parse_collectives(compiled.as_text())]
+            out["collectives"] = {k: sum(1 for kind, _ in kinds if kind == k) for k in ("all-gather", "reduce-scatter")}
+    jitted, shard, opt_shard, tx = partitioner_step(graphdef, rest, params)
+    abstract = lambda tree, sh: jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),  # noqa: E731
+                                             tree, sh)
+    batch = abstract(_batch(g, N, True), {"x": shard_batch(), "y": shard_batch()})
+    out["peak"]["partitioner"] = _peak(jitted.lower(abstract(params, shard), abstract(jax.eval_shape(
+        tx.init, params), opt_shard), batch).compile())
+    return out
+
+
+def shard_batch():
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    return NamedSharding(Mesh(jax.devices()[:N], ("data",)), P("data"))
+
+
+def step_times(rounds: int = 5, steps: int = 3) -> dict:
+    """Interleaved step times on the smallest size: FSDP per layer, the partitioner's FSDP, replicated."""
+    import jax
+    from flax import nnx
+
+    model, g = _model("2M", abstract=False)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    host = _batch(g, N, False)
+    runners = {}
+    for layout in ("replicated", "fsdp_layers"):
+        step = jdp_step(graphdef, rest, layout)
+        box = {"state": step.init(params)}
+        placed = step.shard_batch(host)
+
+        def run(k, step=step, box=box, placed=placed):
+            t0 = time.perf_counter()
+            for _ in range(k):
+                box["state"], metrics = step(box["state"], placed)
+            jax.block_until_ready(metrics["loss"])
+            return (time.perf_counter() - t0) / k
+        run(1)
+        runners[layout] = run
+    jitted, shard, opt_shard, tx = partitioner_step(graphdef, rest, params)
+    pbox = {"p": jax.device_put(params, shard)}
+    pbox["o"] = jax.jit(tx.init, out_shardings=opt_shard)(pbox["p"])
+    pbatch = jax.device_put(host, shard_batch())
+
+    def run_partitioner(k):
+        t0 = time.perf_counter()
+        for _ in range(k):
+            pbox["p"], pbox["o"] = jitted(pbox["p"], pbox["o"], pbatch)
+        jax.block_until_ready(pbox["p"])
+        return (time.perf_counter() - t0) / k
+    run_partitioner(1)
+    runners["partitioner"] = run_partitioner
+    times = interleave(runners, steps, rounds, log=lambda *_: None)
+    return {"rounds": rounds, "steps": steps, "median_s": {k: sorted(v)[len(v) // 2] for k, v in times.items()},
+            "fsdp_layers_over_partitioner": paired_ratio(times["fsdp_layers"], times["partitioner"]),
+            "fsdp_layers_over_replicated": paired_ratio(times["fsdp_layers"], times["replicated"])}
+
+
+def slopes(rows: list[dict]) -> dict:
+    """Least-squares slope (bytes per param) and intercept of each layout's peak over the sizes, and the
+    largest model whose peak fits 16 GB and 80 GB per device."""
+    import numpy as np
+
+    x = np.array([r["params"] for r in rows], float)
+    out = {}
+    for layout in rows[0]["peak"]:
+        y = np.array([r["peak"][layout] for r in rows], float)
+        slope, intercept = np.polyfit(x, y, 1)
+        out[layout] = {"slope": slope, "intercept": intercept,
+                       "fits_16GB": (16e9 - intercept) / slope, "fits_80GB": (80e9 - intercept) / slope}
+    return out
+
+
+def markdown(rows: list[dict], fit: dict, times: dict | None) -> str:
+    names = list(rows[0]["peak"])
+    out = [f"GPT, {rows[0]['model']['n_layers']} layers scanned with remat, context {COMMON['context']}, "
+           f"{COMMON['per_device']} sequences per device, Adam in float32, N = {N} fake CPU devices. Peak per "
+           f"device of the compiled step (argument + output − alias + temp), MB:", "",
+           "| layout | " + " | ".join(f"{r['size']} ({r['params']:,} params)" for r in rows)
+           + " | slope B/param | largest model in 16 GB | in 80 GB |", "|---|" + "---|" * (len(rows) + 3)]
+    for name in names:
+        f = fit[name]
+        out.append(f"| {name} | " + " | ".join(f"{r['peak'][name] / 1e6:.1f}" for r in rows)
+                   + f" | {f['slope']:.2f} | {f['fits_16GB'] / 1e9:.2f} B | {f['fits_80GB'] / 1e9:.1f} B |")
+    out += ["", f"FSDP per layer / the partitioner's FSDP, slope: "
+            f"{fit['fsdp_layers']['slope'] / fit['partitioner']['slope']:.3f}."]
+    if times:
+        out += ["", f"Step time, the {rows[0]['size']} GPT, {times['rounds']} interleaved rounds of {times['steps']} "
+                f"steps in one process: FSDP per layer / partitioner's FSDP "
+                f"{times['fsdp_layers_over_partitioner']:.3f}, FSDP per layer / replicated "
+                f"{times['fsdp_layers_over_replicated']:.3f} (medians "
+                + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in times["median_s"].items()) + ")."]
+    return "\n".join(out) + "\n"
+
+
+def bench_fsdp_layers(log=print) -> dict:
+    """Every size's peaks and the step times, each in a fresh process; the slopes and their ratio."""
+    rows = []
+    for size in SIZES:
+        result = fresh_process_result("benchmarks.fsdp_layers", "memory", size, timeout=1200)
+        if "error" in result:
+            return {"error": f"size {size}: {result['error']}"}
+        log(f"    {size}: " + ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in result["peak"].items()))
+        rows.append(result)
+    times = fresh_process_result("benchmarks.fsdp_layers", "time", timeout=1200)
+    fit = slopes(rows)
+    out = {"rows": rows, "fit": fit, "times": None if "error" in times else times,
+           "slope_over_partitioner": fit["fsdp_layers"]["slope"] / fit["partitioner"]["slope"]}
+    if out["times"]:
+        out["fsdp_layers_over_partitioner"] = times["fsdp_layers_over_partitioner"]
+    return out
+
+
+def table() -> str:
+    t0 = time.perf_counter()
+    result = bench_fsdp_layers()
+    if "error" in result:
+        raise SystemExit(result["error"])
+    rows, fit, times = result["rows"], result["fit"], result["times"]
+    text = (f"# FSDP per layer vs the partitioner, measured\n\n`python -m benchmarks.fsdp_layers table` on "
+            f"{os.cpu_count()} CPU cores, {time.strftime('%Y-%m-%d')}, {time.perf_counter() - t0:.0f} s.\n\n"
+            + markdown(rows, fit, times))
+    with open(RESULTS, "w") as f:
+        f.write(text)
+    with open(RESULTS.replace(".md", ".json"), "w") as f:
+        json.dump({"rows": rows, "fit": fit, "times": times}, f, indent=1)
+    return text
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] in (["memory"], ["time"]):
+        import jdp.cpu
+
+        jdp.cpu.use_cpu_devices(N)
+        print("RESULT " + json.dumps(memory(sys.argv[2]) if sys.argv[1] == "memory" else step_times()))
+    elif sys.argv[1:] == ["table"]:
+        print(table())
+    else:
+        sys.exit("usage: python -m benchmarks.fsdp_layers memory SIZE | time | table")

@@ -1,0 +1,43 @@
+"""`jdp memory CONFIG`: bytes per device of a config's step in each layout, without training."""
+from __future__ import annotations
+
+from jdp.run.config import Config
+from jdp.run.tasks import build_task, train_step_for
+
+LAYOUTS = {"replicated": {"shard_optimizer_state": False, "shard_params": False},
+           "ZeRO-1": {"shard_optimizer_state": True, "shard_params": False},
+           "FSDP": {"shard_optimizer_state": True, "shard_params": True}}
+
+
+def memory_table(config: Config, devices) -> list[dict]:
+    """One row per layout (replicated, ZeRO-1, FSDP; FSDP gathers per layer for a scanned GPT): the
+    state between steps and the compiled step's peak, bytes per device (`jdp.memory_report`), for
+    the config's model, optimizer and micro-batch on `devices`. Compiles each step; runs none."""
+    import jax
+
+    from jdp.data import make_batches
+    from jdp.inspect.memory import memory_report
+
+    task, rows = build_task(config), []
+    batches = make_batches(task.train, config.data.batch_size, seed=config.train.seed, transform=task.transform,
+                           process_index=jax.process_index(), num_processes=jax.process_count())
+    try:
+        first = next(batches)
+    finally:
+        batches.close()
+    for name, layout in LAYOUTS.items():
+        if config.parallel.backend != "shard_map" and name != "replicated":
+            continue  # pmap keeps a whole copy per device
+        step = train_step_for(config, task, devices, **layout)
+        state = step.init(task.params, task.model_state, seed=config.train.seed)
+        report = memory_report(step, state, step.micro_batches(first)[0])
+        rows.append({"layout": name, "how": report.layout, "state": report.state, "peak": report.allocated})
+    return rows
+
+
+def render(rows: list[dict], devices: int) -> str:
+    out = [f"bytes per device on {devices} device(s): state between steps, and the compiled step's peak "
+           f"(arguments + outputs - aliased + temporaries)", f"{'layout':<12}{'state':>16}{'peak':>16}  how"]
+    for r in rows:
+        out.append(f"{r['layout']:<12}{r['state']:>16,}{(r['peak'] or 0):>16,}  {r['how']}")
+    return "\n".join(out)

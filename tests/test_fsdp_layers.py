@@ -1,0 +1,121 @@
+"""FSDP with the model gathering each layer inside its scanned, rematerialised body: the same step as one
+device, and the compiled loop holds the per-layer all-gathers and reduce-scatters."""
+import functools
+import json
+import re
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jdp
+from jdp.inspect.comm import parse_collectives
+from jdp.models import GPT
+from tests.helpers import max_abs_diff
+
+RNG = np.random.default_rng(0)
+DATA = [{"x": RNG.integers(0, 32, (16, 8)).astype(np.int32), "y": RNG.integers(0, 32, (16, 8)).astype(np.int32)}
+        for _ in range(4)]
+LAYERS = 3
+
+
+def make_model():
+    return GPT(32, 8, d_model=16, n_heads=2, n_layers=LAYERS, dropout=0.0, scan_layers=True, remat=True,
+               rngs=nnx.Rngs(0))
+
+
+def loss_fn(model, batch):
+    return optax.softmax_cross_entropy_with_integer_labels(model(batch["x"], train=False), batch["y"]).mean()
+
+
+def optimizer():  # clipping engages (the gradient norm is about 1.5); SGD shows any error in the gradient's scale
+    return optax.chain(optax.clip_by_global_norm(0.5), optax.sgd(0.5, momentum=0.9))
+
+
+@functools.lru_cache(maxsize=None)
+def run(n, **options):
+    step = jdp.nnx.make_train_step(make_model(), loss_fn, optimizer(), devices=jax.devices()[:n], **options)
+    state = step.init()
+    for batch in DATA:
+        state, metrics = step(state, batch)
+    return step, state, float(metrics["grad_norm"])
+
+
+@pytest.mark.parametrize("options", [{}, {"precision": "bf16"}, {"accum_steps": 2, "accum_sync": "every"},
+                                     {"accum_steps": 2, "accum_sync": "last"}], ids=["fp32", "bf16", "every", "last"])
+def test_per_layer_gathering_equals_one_device(options):
+    # bf16 rounds per device's batch, so there the reference is the replicated step on the same devices
+    _, one, norm = run(4 if "precision" in options else 1, **options)
+    assert max_abs_diff(jdp.get_params(one), nnx.state(make_model(), nnx.Param)) > 1e-2  # the params moved
+    _, sharded, sharded_norm = run(4, shard_params=True, gather_in_model=True, **options)
+    # bf16: the layers gather bf16 and reduce-scatter the gradient cast back to float32, as the replicated step
+    assert max_abs_diff(jdp.get_params(sharded), jdp.get_params(one)) <= 1e-6
+    assert sharded_norm == pytest.approx(norm, rel=1e-5)  # the gradient's scale (clipping hides it from the params)
+
+
+def in_loop(step, state):
+    """Collective kinds of the compiled step, split into those inside a while loop's body and the rest."""
+    hlo = step.lower(state, DATA[0]).compile().as_text()
+    bodies = set(re.findall(r"while\(.*?body=%?([\w.\-]+)", hlo))
+    found = {}
+    for c in parse_collectives(hlo):
+        key = (c["kind"], c["computation"] in bodies)
+        found[key] = found.get(key, 0) + 1
+    return found
+
+
+def test_the_loop_gathers_each_layer_and_reduce_scatters_its_gradient():
+    step, state, _ = run(4, shard_params=True, gather_in_model=True)
+    per_layer = len(jax.tree.leaves(nnx.state(make_model().layers, nnx.Param)))  # the stacked leaves: one layer's
+    found = in_loop(step, state)
+    # forward body: every layer leaf gathered; backward body: gathered again (remat), and reduce-scattered
+    assert found.get(("all-gather", True), 0) >= per_layer + 1
+    assert found.get(("reduce-scatter", True), 0) == per_layer
+    assert jdp.memory_report(step, state).gathered == "per layer, by the model (gather_in_model)"
+    whole_step, whole_state, _ = run(4, shard_params=True)
+    assert jdp.memory_report(whole_step, whole_state).gathered == "whole model, before the loss"
+    assert not any(inside for _, inside in in_loop(whole_step, whole_state))  # the whole model, outside the loop
+
+
+def test_refusals():
+    with pytest.raises(ValueError, match=r"^gather_in_model=True needs shard_params=True"):
+        jdp.make_train_step(lambda p, b: 0.0, optax.sgd(0.1), gather_in_model=True)
+    with pytest.raises(ValueError, match=r"^gather_in_model=True reduce-scatters each layer's gradient in the backward "
+                                         r"pass, in the params' dtype, so reduce_dtype='bfloat16' cannot apply"):
+        jdp.make_train_step(lambda p, b: 0.0, optax.sgd(0.1), shard_params=True, gather_in_model=True,
+                            reduce_dtype="bf16")
+
+
+def test_trainer_scanned_gpt_gathers_per_layer_under_shard_params(tmp_path):
+    from jdp.config import load_config
+    from jdp.train import train
+
+    def go(name, *extra):
+        config = load_config(None, ["model.name=gpt", "data.name=chars", "model.d_model=16", "model.n_heads=2",
+                                    "model.n_layers=2", "model.context=16", "model.scan_layers=true", "model.remat=true",
+                                    "optim.name=momentum", "optim.lr=0.1", "optim.clip_norm=1.0", "train.steps=3",
+                                    "train.log_every=1", "train.eval_every=0", "data.batch_size=16", *extra])
+        return train(config, str(tmp_path / name), devices=jax.devices()[:4], log=lines.append, progress=False)
+
+    lines = []
+    replicated, sharded = go("replicated"), go("fsdp", "parallel.shard_params=true")
+    assert max_abs_diff(sharded.params, replicated.params) <= 1e-6
+    # the start says each run's bytes per device, and metrics.jsonl's first record holds them
+    said = [line for line in lines if line.startswith("memory per device")]
+    assert len(said) == 2 and "gathered per layer, by the model" in said[1]
+    first = [json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[0])
+             for name in ("replicated", "fsdp")]
+    assert first[1]["memory_state_bytes"] < first[0]["memory_state_bytes"] / 3
+    assert 0 < first[1]["memory_peak_bytes"] < first[0]["memory_peak_bytes"]
+
+
+def test_jdp_memory_prints_the_three_layouts(capsys):
+    from jdp.run.cli import main
+
+    assert main(["memory", "--devices", "4"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    state = {line.split()[0]: int(line.split()[1].replace(",", "")) for line in lines[2:]}
+    assert list(state) == ["replicated", "ZeRO-1", "FSDP"]
+    assert state["replicated"] > state["ZeRO-1"] > state["FSDP"]  # params and optimizer state split in turn
