@@ -29,7 +29,9 @@ def test_version_flag_prints_the_package_version(capsys):
     assert "version" not in project and "version" in project["dynamic"]  # one source: jdp.__version__
     from importlib.metadata import version
 
-    assert version("jdp") == jdp.__version__  # what the installed metadata says
+    from jdp.extras import DISTRIBUTION
+
+    assert version(DISTRIBUTION) == jdp.__version__  # what the installed metadata says (jdp-train)
 
 
 def test_a_script_beside_a_clone_named_jdp_imports_the_installed_package(tmp_path):
