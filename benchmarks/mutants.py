@@ -521,7 +521,7 @@ MUTANTS = [
            "    if existing:\n",
            "    if False:\n",  # a second prepare-tokens would replace the token files a run trains on
            ("tests/test_shipped.py::test_prepare_tokens_writes_the_reference_text_as_byte_tokens_and_never_overwrites",)),
-    Mutant("compile_time_in_samples_per_s", "run/train.py",
+    Mutant("compile_time_in_samples_per_s", "run/records.py",
            "seconds, self.step, self.time = now - self.time, self.step + 1, now",
            "seconds = now - self.time",  # the first interval's rate counts compilation again
            ("tests/test_observe.py::test_the_first_step_is_timed_once_and_left_out_of_samples_per_s",)),

@@ -22,6 +22,7 @@ from jdp.run.facts import RunFacts, itstime
 from jdp.run.lock import locked_workdir
 from jdp.run.metrics import MetricsWriter, load_metrics, peak_flops, plot_metrics, step_flops
 from jdp.run.profile import StepProfile, parse_steps
+from jdp.run.records import NonFiniteError, Throughput, check_finite, train_record
 from jdp.run.tasks import build_task, train_step_for
 from jdp.run.workfiles import refuse_symlink
 
@@ -43,10 +44,6 @@ class TrainResult:
     seconds: float  # wall time of this run's loop, compilation included
     params: object  # host numpy params
     stopped_by: str | None = None  # the signal that stopped it early ("SIGINT", "SIGTERM"), if one did
-
-
-class NonFiniteError(RuntimeError):
-    """Training stopped: too many consecutive updates had non-finite gradients."""
 
 
 class DataStoppedError(RuntimeError):
@@ -213,7 +210,7 @@ class _Loop:
     def run(self, state, start: int, end: int) -> tuple:
         """Train steps `start + 1 .. end`; returns (state, the step it ended at). A run complete
         before it starts trains nothing and repeats its held-out result, from the restored state."""
-        facts, throughput, memory = self.facts, _Throughput(start), None
+        facts, throughput, memory = self.facts, Throughput(start), None
         self.saved = self.saved or start or None  # the newest checkpoint: the one resumed from, if any
         if start == end and self.eval_step is not None:
             self.eval_metrics = self.evaluate(state, start)
@@ -232,8 +229,8 @@ class _Loop:
                 record |= memory
             if facts.logs_at(s, end):
                 m = jax.device_get(metrics)
-                _check_finite(s, m, self.config.train.max_nonfinite)
-                record |= _train_record(m, state, lr=self.spec.learning_rate(s - 1),
+                check_finite(s, m, self.config.train.max_nonfinite)
+                record |= train_record(m, state, lr=self.spec.learning_rate(s - 1),
                                         samples=self.config.data.batch_size, steps_per_s=throughput(s),
                                         flops_per_step=flops_per_step, peak=self.peak)
                 self.final_loss = record["loss"]
@@ -382,57 +379,6 @@ def _describe(task, config: Config, devices, start: int, end: int) -> str:
     return (f"{task.description}: {start} -> {end} of {config.train.steps} steps on {n} {devices[0].platform} "
             f"device(s), global batch {batch} = {plural(p.accum_steps, 'accumulation step')} × {plural(n, 'device')} "
             f"× {plural(each, 'example')} per device, {p.backend}, reduction {p.reduction}")
-
-
-class _Throughput:
-    """Optimizer steps per second since the previous log step, compilation left out: the clock
-    restarts once this invocation's first step has finished (`first_step`)."""
-
-    def __init__(self, step: int):
-        self.step, self.time = step, time.perf_counter()
-
-    def first_step(self, outputs) -> float:
-        """Seconds from the start to the end of the first step (its compilation included), waiting
-        for its `outputs`; the rate then counts from here."""
-        jax.block_until_ready(outputs)
-        now = time.perf_counter()
-        seconds, self.step, self.time = now - self.time, self.step + 1, now
-        return seconds
-
-    def __call__(self, step: int) -> float | None:
-        """Steps per second since the last call (or the first step); None when no step has run since."""
-        now = time.perf_counter()
-        rate = (step - self.step) / (now - self.time) if step > self.step else None
-        self.step, self.time = step, now
-        return rate
-
-
-def _check_finite(s: int, m: dict, max_nonfinite: int) -> None:
-    """Raise NonFiniteError once `max_nonfinite` updates in a row were skipped (0: never)."""
-    if max_nonfinite and int(m["skip_streak"]) >= max_nonfinite:
-        raise NonFiniteError(f"training stopped at step {s}: the last {int(m['skip_streak'])} updates had "
-                             f"non-finite gradients (train.max_nonfinite={max_nonfinite}); the newest checkpoint "
-                             f"is from before them.")
-
-
-def _train_record(m: dict, state, *, lr: float, samples: int, steps_per_s: float, flops_per_step: float | None,
-                  peak: float) -> dict:
-    """A log step's training metrics from the step's host metrics `m`: loss, gradient norm, learning
-    rate, throughput, the aux metrics as train_*, the global weight of a weighted loss (the gpt's
-    tokens per step), FLOP/s and MFU where known (`peak`: all devices'
-    peak FLOP/s, 0 if unknown), and the count of skipped updates once any update was skipped."""
-    record = {"loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]), "lr": lr,
-              **({} if steps_per_s is None else {"samples_per_s": steps_per_s * samples}),  # None: the first step alone
-              **{f"train_{k}": float(v) for k, v in m["aux"].items()}}
-    if "weight" in m:  # a weighted loss (the gpt: per token): the step's global weight, its real tokens
-        record["weight"] = float(m["weight"])
-    if flops_per_step and steps_per_s is not None:
-        record["flops_per_s"] = steps_per_s * flops_per_step
-        if peak:
-            record["mfu"] = record["flops_per_s"] / peak
-    if m["skipped"]:
-        record["skipped_total"] = int(jax.device_get(state.skipped).reshape(-1)[0])
-    return record
 
 
 def _tracker(wandb: bool, workdir: str, config: Config, facts: RunFacts, devices):

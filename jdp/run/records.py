@@ -1,0 +1,62 @@
+"""What a log step records: the training metrics, the throughput with compilation left out, and the
+stop after too many non-finite updates."""
+from __future__ import annotations
+
+import time
+
+import jax
+
+
+class NonFiniteError(RuntimeError):
+    """Training stopped: too many consecutive updates had non-finite gradients."""
+
+
+class Throughput:
+    """Optimizer steps per second since the previous log step, compilation left out: the clock
+    restarts once this invocation's first step has finished (`first_step`)."""
+
+    def __init__(self, step: int):
+        self.step, self.time = step, time.perf_counter()
+
+    def first_step(self, outputs) -> float:
+        """Seconds from the start to the end of the first step (its compilation included), waiting
+        for its `outputs`; the rate then counts from here."""
+        jax.block_until_ready(outputs)
+        now = time.perf_counter()
+        seconds, self.step, self.time = now - self.time, self.step + 1, now
+        return seconds
+
+    def __call__(self, step: int) -> float | None:
+        """Steps per second since the last call (or the first step); None when no step has run since."""
+        now = time.perf_counter()
+        rate = (step - self.step) / (now - self.time) if step > self.step else None
+        self.step, self.time = step, now
+        return rate
+
+
+def check_finite(s: int, m: dict, max_nonfinite: int) -> None:
+    """Raise NonFiniteError once `max_nonfinite` updates in a row were skipped (0: never)."""
+    if max_nonfinite and int(m["skip_streak"]) >= max_nonfinite:
+        raise NonFiniteError(f"training stopped at step {s}: the last {int(m['skip_streak'])} updates had "
+                             f"non-finite gradients (train.max_nonfinite={max_nonfinite}); the newest checkpoint "
+                             f"is from before them.")
+
+
+def train_record(m: dict, state, *, lr: float, samples: int, steps_per_s: float, flops_per_step: float | None,
+                  peak: float) -> dict:
+    """A log step's training metrics from the step's host metrics `m`: loss, gradient norm, learning
+    rate, throughput, the aux metrics as train_*, the global weight of a weighted loss (the gpt's
+    tokens per step), FLOP/s and MFU where known (`peak`: all devices'
+    peak FLOP/s, 0 if unknown), and the count of skipped updates once any update was skipped."""
+    record = {"loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]), "lr": lr,
+              **({} if steps_per_s is None else {"samples_per_s": steps_per_s * samples}),  # None: the first step alone
+              **{f"train_{k}": float(v) for k, v in m["aux"].items()}}
+    if "weight" in m:  # a weighted loss (the gpt: per token): the step's global weight, its real tokens
+        record["weight"] = float(m["weight"])
+    if flops_per_step and steps_per_s is not None:
+        record["flops_per_s"] = steps_per_s * flops_per_step
+        if peak:
+            record["mfu"] = record["flops_per_s"] / peak
+    if m["skipped"]:
+        record["skipped_total"] = int(jax.device_get(state.skipped).reshape(-1)[0])
+    return record
