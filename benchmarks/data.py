@@ -102,6 +102,8 @@ def _status(field: str) -> int:
 
 def memory_worker(path: str, count: int) -> dict:
     """RssAnon and VmRSS after the imports, after opening the token file, and after reading `count` batches."""
+    import jax  # noqa: F401 - `import jdp` no longer imports jax: count it with the imports, not the file
+
     from jdp.data import load_tokens, make_batches
 
     out = {"file_bytes": os.path.getsize(path), "batches": count, "after_import": _status("RssAnon")}

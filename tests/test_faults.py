@@ -102,7 +102,10 @@ CONFIG_CASES = [
     # An empty file is an empty mapping: every default (data.batch_size=128), which 3 devices cannot split.
     ("empty-yaml-means-defaults", "", ["--devices", "3"],
      "data.batch_size=128 is not a multiple of parallel.accum_steps × devices = 1 × 3; use a multiple of 3."),
-    ("missing-config-file", None, ["{dir}/nope.yaml"], "config file '{dir}/nope.yaml' does not exist."),
+    ("missing-config-file", None, ["{dir}/nope.yaml"],
+     "config '{dir}/nope.yaml' is neither a file nor a shipped config; the shipped ones are char_gpt, char_gpt_bf16, "
+     "char_gpt_tokens, digits_cnn_syncbn, digits_mlp, digits_mlp_accum_psum, digits_mlp_bf16, gpt2_small, seed_linear "
+     "(jdp configs lists them)."),
     ("config-is-a-directory", None, ["{dir}"], "config file '{dir}' is not a file."),
     ("set-without-equals", None, ["--set", "optim.lr"],
      "override 'optim.lr' has no '='; write section.key=value, e.g. optim.lr=3e-4."),
@@ -112,7 +115,7 @@ CONFIG_CASES = [
      "override 'optim.lr=' has no value; write optim.lr=null for none."),
     ("set-unknown-key", None, ["--set", "model.layers=3"],
      "unknown key 'model.layers'; model has: name, hidden, channels, sync_batchnorm, d_model, n_heads, n_layers, "
-     "dropout, context, attention, remat."),
+     "dropout, context, attention, remat, scan_layers."),
     ("set-invalid-yaml", None, ["--set", "model.hidden=[64"],
      "override 'model.hidden=[64' has a value that is not valid YAML: '[64'."),
     # Wrong types.

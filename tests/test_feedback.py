@@ -40,6 +40,7 @@ def _stub_explain_parts(monkeypatch):
     monkeypatch.setattr(ex, "adam_eps_sweep", items("loss × 1"))
     monkeypatch.setattr(ex, "clipping_rates", items("mean", "sum raw"))
     monkeypatch.setattr(ex, "fp16_overflow", lambda n: {})
+    monkeypatch.setattr(ex.explain_tokens, "token_normalisations", items("own count", "jdp.Weighted"))
 
 
 def test_explain_json_keeps_stdout_for_the_json_and_reports_progress_on_stderr(monkeypatch, capsys):
@@ -49,17 +50,18 @@ def test_explain_json_keeps_stdout_for_the_json_and_reports_progress_on_stderr(m
     results = json.loads(out)  # stdout is the JSON document and nothing else
     assert results["seed_single_param"] == {"part": 1} and results["matrix"][0]["devices"] == 2
     first, *parts = err.splitlines()  # what it will do and what that cost when measured, then each part
-    assert first == ("jdp explain: 7 parts, ~120 steps to compile on 8 fake CPU devices; 434-466 s measured on a "
+    assert first == ("jdp explain: 8 parts, ~120 steps to compile on 8 fake CPU devices; 434-466 s measured on a "
                      "2-core CPU shared with other work (load average 7-8)")
     assert parts == [f"jdp explain: part {line}" for line in (
-        "1 of 7: seed regression 1", "2 of 7: seed regression 2",
-        "3 of 7: deviation matrix", "3 of 7: deviation matrix, 1 of 2 (sgd, clip off)",
-        "3 of 7: deviation matrix, 2 of 2 (sgd, clip on)",
-        "4 of 7: bf16 gradient communication", "4 of 7: bf16 gradient communication, 1 of 2 (sgd, float32)",
-        "4 of 7: bf16 gradient communication, 2 of 2 (bytes)",
-        "5 of 7: Adam ε sweep", "5 of 7: Adam ε sweep, 1 of 1 (loss × 1)",
-        "6 of 7: clipping rates", "6 of 7: clipping rates, 1 of 2 (mean)", "6 of 7: clipping rates, 2 of 2 (sum raw)",
-        "7 of 7: fp16 overflow")]
+        "1 of 8: seed regression 1", "2 of 8: seed regression 2",
+        "3 of 8: deviation matrix", "3 of 8: deviation matrix, 1 of 2 (sgd, clip off)",
+        "3 of 8: deviation matrix, 2 of 2 (sgd, clip on)",
+        "4 of 8: bf16 gradient communication", "4 of 8: bf16 gradient communication, 1 of 2 (sgd, float32)",
+        "4 of 8: bf16 gradient communication, 2 of 2 (bytes)",
+        "5 of 8: Adam ε sweep", "5 of 8: Adam ε sweep, 1 of 1 (loss × 1)",
+        "6 of 8: clipping rates", "6 of 8: clipping rates, 1 of 2 (mean)", "6 of 8: clipping rates, 2 of 2 (sum raw)",
+        "7 of 8: fp16 overflow", "8 of 8: token-weighted means",
+        "8 of 8: token-weighted means, 1 of 2 (own count)", "8 of 8: token-weighted means, 2 of 2 (jdp.Weighted)")]
 
 
 def test_explain_reuses_compiled_steps_across_its_parts(monkeypatch):
@@ -169,7 +171,7 @@ def test_every_option_of_every_subcommand_has_help():
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
     missing = [f"{name} {action.option_strings or action.dest}" for name, command in commands.items()
                for action in command._actions if not (action.help or "").strip() or action.help == argparse.SUPPRESS]
-    assert not missing and set(commands) == {"train", "plot", "explain", "config", "configs", "data"}
+    assert not missing and set(commands) == {"train", "plot", "explain", "config", "configs", "data", "memory"}
 
 
 def test_explain_progress_on_a_terminal_is_a_rich_bar():
@@ -183,7 +185,7 @@ def test_explain_progress_on_a_terminal_is_a_rich_bar():
     with ex.progress_to(stream) as progress:
         progress(ex.Progress(3, "deviation matrix"))
         progress(ex.Progress(3, "deviation matrix", 2, 8, "sgd, clip on"))
-    assert "jdp explain: part 3/7 deviation matrix" in stream.getvalue()
+    assert "jdp explain: part 3/8 deviation matrix" in stream.getvalue()
 
 
 def test_a_checkpoint_that_counted_steps_with_a_constant_schedule_may_be_extended(tmp_path, monkeypatch):

@@ -141,7 +141,8 @@ def test_model_state_mask_aux_and_bf16_compute():
         finals = []
         for shard in (False, True):
             step = jdp.make_train_step(loss, OPTIMIZERS["adam"], devices=jax.devices()[:4], has_state=True,
-                                       has_aux=True, precision="bf16", reduce_dtype=reduce_dtype, shard_params=shard)
+                                       has_aux=True, precision="bf16", reduce_dtype=reduce_dtype, shard_params=shard,
+                                       mask_key="mask")
             state = step.init(mlp_params(), np.float32(0.0))
             for _ in range(3):
                 state, metrics = step(state, batch)

@@ -48,8 +48,11 @@ def installed(tmp_path_factory):
     with open(os.path.join(purelib, "_this_environment.pth"), "w") as f:
         f.write(sysconfig.get_path("purelib") + "\n")  # a path line: that folder's own .pth files are not run
     python = str(target / "bin" / "python")
-    _run([sys.executable, "-m", "pip", "--python", python, "install", "-q", "--no-index", "--find-links",
-          str(base / "dist"), "jdp-train[plot]"], cwd=base, env=env)
+    # This environment's editable jdp-train is visible through the path line: install the wheel over
+    # it in the new venv's own folder first, or pip would take it as installed already.
+    for args in (["--ignore-installed", "--no-deps", "jdp-train"], ["jdp-train[plot]"]):
+        _run([sys.executable, "-m", "pip", "--python", python, "install", "-q", "--no-index", "--find-links",
+              str(base / "dist"), *args], cwd=base, env=env)
     work = base / "elsewhere"
     work.mkdir()
     return target / "bin", work, env

@@ -48,6 +48,7 @@ jax.tree_util.register_dataclass(Split, data_fields=["value"], meta_fields=["dim
 
 
 def is_split(x) -> bool:
+    """Whether `x` is a `Split` block (an `is_leaf` for tree maps that must stop at one)."""
     return isinstance(x, Split)
 
 

@@ -24,6 +24,8 @@ moments, stay whole). Checkpoints (`canonical`) are the replicated layout's: the
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -194,15 +196,16 @@ class ShardedStateLayout(ShardMapLayout):
 
     def step_optimizer(self, tx: optax.GradientTransformation) -> optax.GradientTransformation:
         """`tx` with its update run on this device's blocks, exactly as on whole arrays (`jdp.core.blockwise`)."""
-        def update(grads, state, params=None):
+        def update(grads, state, params=None, **extra):  # extra: MultiSteps' grad_scale (weighted losses)
             cuts = self.cuts
-            out, gathered = blockwise(tx.update, (cuts.struct, self.opt_struct, cuts.struct), (grads, state, params),
+            run = functools.partial(tx.update, **extra) if extra else tx.update
+            out, gathered = blockwise(run, (cuts.struct, self.opt_struct, cuts.struct), (grads, state, params),
                                       (cuts.dim_tree(), self.opt_dims, cuts.dim_tree()),
                                       (cuts.dim_tree(), self.opt_dims), self.axis, self.num_devices)
             self.gathered = gathered
             return out
 
-        return optax.GradientTransformation(tx.init, update)
+        return optax.GradientTransformationExtraArgs(tx.init, update)
 
     def reduce(self, grads, means, o):
         """This device's block of the reduced gradient of every split leaf (one reduce-scatter per

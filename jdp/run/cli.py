@@ -334,7 +334,7 @@ def cmd_explain(args) -> int:
 
 def cmd_memory(args) -> int:
     args.steps = args.log_every = args.checkpoint_every = args.coordinator = args.num_processes = None
-    args.auto_distributed, args.process_id = False, None
+    args.auto_distributed, args.process_id, args.profile_steps = False, None, None
     config, devices = _train_config_and_devices(args)
     from jdp.run.memory_table import memory_table, render
 
