@@ -156,7 +156,7 @@ MUTANTS = [
            "lax.dynamic_slice_in_dim(x, (d + 1) % self.n * (x.shape[k] // self.n),",
            ("tests/test_zero.py", "-k", "sharded_equals_replicated and sgd")),
     Mutant("zero_update_on_blocks_as_written", "core/zero.py",
-           "return optax.GradientTransformation(tx.init, update)",
+           "return optax.GradientTransformationExtraArgs(tx.init, update)",
            "return tx",  # the optimizer's update on the blocks as if they were whole arrays
            ("tests/test_sharded_optax.py", "-k", "equals_one_device and clip and zero1")),
     Mutant("blockwise_contraction_not_completed", "core/blockwise.py",
