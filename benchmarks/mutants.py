@@ -136,7 +136,7 @@ MUTANTS = [
            'if True:\n        return\n',
            ("tests/test_precision.py::test_bf16_master_params_are_refused",)),
     Mutant("zero_scatter_forgets_1_over_n", "core/zero.py",
-           "row = row / self.n if mean and not before else row",
+           "row = row / total if mean and not before else row",
            "row = row",  # the reduce-scatter sums where it should average
            ("tests/test_zero.py", "-k", "sharded_equals_replicated and adam")),
     Mutant("zero_clips_each_slice", "core/blockwise.py",
@@ -144,7 +144,7 @@ MUTANTS = [
            "return [Blocks(out, WHOLE)]",  # a reduction over a split dimension left local: clip over the local slice
            ("tests/test_sharded_optax.py::test_optimizer_as_written_equals_one_device[clip_adamw_mask-zero1]",)),
     Mutant("zero_norm_of_own_slice", "core/zero.py",
-           "return jnp.sqrt(lax.psum(local, self.axis) + ",
+           "return jnp.sqrt(lax.psum(local, self.shard_axis) + ",
            "return jnp.sqrt(local + ",
            ("tests/test_zero.py", "-k", "sharded_equals_replicated and sgd")),
     Mutant("zero_skip_decided_per_device", "core/zero.py",
@@ -223,6 +223,26 @@ MUTANTS = [
            "grads = jax.tree.map(lambda g, leaf: g.astype(leaf.dtype), grads, self.cuts.struct)",
            "grads = grads",  # the gradient w.r.t. bf16 params is summed in bf16 though reduce_dtype is float32
            ("tests/test_fsdp.py::test_model_state_mask_aux_and_bf16_compute",)),
+    Mutant("hybrid_blocks_not_summed_across_groups", "core/zero.py",
+           "return tree if self.replica_axis is None else lax.psum(tree, self.replica_axis)",
+           "return tree",  # each replica group steps on its own share of the batch
+           ("tests/test_hybrid.py::test_hybrid_sharding_equals_one_device[sgd-fsdp-2-None]",)),
+    Mutant("hybrid_mean_over_a_group", "core/zero.py",
+           "before, total = mean and low_precision(buf), self.n * self.replicas",
+           "before, total = mean and low_precision(buf), self.n",  # R times the mean gradient
+           ("tests/test_hybrid.py::test_hybrid_sharding_equals_one_device[sgd-fsdp-2-None]",)),
+    Mutant("hybrid_norm_counts_every_copy", "core/zero.py",
+           "return jnp.sqrt(lax.psum(local, self.shard_axis) + ",
+           "return jnp.sqrt(lax.psum(local, self.axis) + ",  # each group's copy of a block counted
+           ("tests/test_hybrid.py::test_hybrid_sharding_equals_one_device[sgd-fsdp-2-None]",)),
+    Mutant("hybrid_blockwise_over_every_device", "core/zero.py",
+           "(cuts.dim_tree(), self.opt_dims), self.shard_axis, self.group)",
+           "(cuts.dim_tree(), self.opt_dims), self.axis, self.group)",  # clip's norm summed over both groups
+           ("tests/test_hybrid.py::test_hybrid_sharding_equals_one_device[adamw_clip-fsdp-2-None]",)),
+    Mutant("replica_check_skips_group_copies", "inspect/replicas.py",
+           "parts.setdefault(repr(s.index), []).append((s.device, np.asarray(s.data)))",
+           "parts.setdefault(s.device.id, []).append((s.device, np.asarray(s.data)))",  # each block alone
+           ("tests/test_hybrid.py::test_a_diverged_group_copy_is_found",)),
     Mutant("donated_state_not_checked", "core/step.py",
            "isinstance(state.step, jax.Array) and state.step.is_deleted()",
            "False",
@@ -355,7 +375,7 @@ MUTANTS = [
            'trained["batch_stats"] = train_state.batch_stats',  # the initial statistics come back
            ("tests/test_linen.py", "-k", "batch_stats_field")),
     Mutant("per_device_model_state_accepted", "core/step.py",
-           "            check_agreement(spread, scale, self.mesh.axis_names[0])\n",
+           "            check_agreement(spread, scale, data_axes(self.mesh))\n",
            "",  # BatchNorm without an axis name trains on per-device statistics, silently
            ("tests/test_linen.py", "-k", "batchnorm_mistakes")),
     Mutant("model_state_structure_unchecked", "core/step.py",
@@ -363,7 +383,7 @@ MUTANTS = [
            "",  # a nested batch_stats dict re-initialises the statistics and recompiles every call
            ("tests/test_linen.py", "-k", "batchnorm_mistakes")),
     Mutant("unbound_axis_left_to_jax", "core/loss.py",
-           "unbound = unbound_axes(e, o.axis_name) if isinstance(e, (AssertionError, NameError)) else []",
+           "unbound = unbound_axes(e, bound) if isinstance(e, (AssertionError, NameError)) else []",
            "unbound = []",  # jax's bare AssertionError from inside flax's BatchNorm
            ("tests/test_linen.py", "-k", "batchnorm_mistakes")),
     Mutant("weight_summed_locally", "core/algorithm.py",

@@ -421,14 +421,16 @@ def test_config_hash_ignores_cadence_and_device_count():
     assert len(base) == 64 and base == config_hash(load_config(None))
     for override in ["train.log_every=7", "parallel.devices=2", "train.checkpoint_every=10", "train.eval_every=5",
                      "train.keep_checkpoints=1", "data.eval_batch_size=64", "train.max_nonfinite=0", "train.steps=301",
-                     "parallel.shard_optimizer_state=true", "parallel.shard_params=true", "train.profile_steps='2:3'"]:
-        assert config_hash(load_config(None, [override])) == base, override
+                     "parallel.shard_optimizer_state=true", "parallel.shard_params=true", "train.profile_steps='2:3'",
+                     ["parallel.shard_params=true", "parallel.replicas=2"]]:
+        override = override if isinstance(override, list) else [override]
+        assert config_hash(load_config(None, override)) == base, override
     for override in ["optim.lr=1e-3", "model.hidden=[64]", "train.seed=1", "data.batch_size=64",
                      "parallel.reduction=sum", "parallel.accum_steps=2", "optim.linear_scaling=true"]:
         assert config_hash(load_config(None, [override])) != base, override
     assert set(HASH_EXCLUDED) == {"data.eval_batch_size", "data.val_path", "data.threads", "data.workers",
                                   "parallel.devices", "parallel.shard_optimizer_state", "parallel.shard_params",
-                                  "train.log_every", "train.eval_every", "train.checkpoint_every",
+                                  "parallel.replicas", "train.log_every", "train.eval_every", "train.checkpoint_every",
                                   "train.keep_checkpoints", "train.max_nonfinite", "train.profile_steps"}
 
 

@@ -143,6 +143,24 @@ def test_two_processes_with_params_sharded_equal_one(tmp_path, one_process):
         np.testing.assert_allclose(a, b, atol=2e-6)
 
 
+def test_hybrid_sharding_two_hosts_of_four_devices_equals_one(tmp_path, one_process):
+    # parallel.replicas=hosts: each process's 4 devices split every params leaf and Adam's moments in
+    # quarters, the 2 processes hold one copy each, and each gradient block crosses between them in
+    # one all-reduce; the checkpoint holds the params whole, as a replicated run's.
+    work = tmp_path / "hybrid"
+    results = finish(launch(work, 6, devices=4, extra=["--set", "parallel.shard_params=true",
+                                                       "--set", "parallel.replicas=hosts"]))
+    for code, out, err in results:
+        assert code == 0, err[-2000:]
+    assert "sharded over 4 devices in each of 2 replica groups" in results[0][1]
+    np.testing.assert_allclose(list(losses(work).values()), list(losses(one_process).values()), rtol=1e-6)
+    (s_hybrid, p_hybrid), (s_one, p_one) = latest_params(work), latest_params(one_process)
+    assert s_hybrid == s_one == 6
+    for a, b in zip(flat(p_hybrid), flat(p_one)):
+        assert a.shape == b.shape
+        np.testing.assert_allclose(a, b, atol=2e-6)
+
+
 def test_sigterm_on_one_process_stops_all_at_one_step_and_resumes(tmp_path):
     work = tmp_path / "pre"
     procs = launch(work, 2000)

@@ -11,7 +11,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jdp.core.mesh import batch_sharded, replicated
+from jdp.core.mesh import batch_sharded, data_axes, replicated
 from jdp.core.weighting import Weighted, is_weighted
 from jdp.data import MASK_KEY, make_batches
 
@@ -25,7 +25,7 @@ def make_eval_step(metric_fn: Callable, mesh):
     sums, the Weighted weights and the count of real examples are added over devices (psum), so the
     ratios are exact whatever the padding of the last batch and the token counts.
     """
-    axis = mesh.axis_names[0]
+    axis = data_axes(mesh)
 
     def device_eval(params, model_state, batch):
         values = metric_fn(params, model_state, batch)

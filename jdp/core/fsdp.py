@@ -88,15 +88,16 @@ class FullyShardedLayout(ShardedStateLayout):
     def marked(self, tree):
         """gather_in_model: every split leaf of `tree` (this device's blocks) as a `Split` the model gathers."""
         leaves = self.cuts.treedef.flatten_up_to(tree)
-        return self.cuts.treedef.unflatten([x if k == WHOLE else Split(x, k - x.ndim, self.axis)
+        return self.cuts.treedef.unflatten([x if k == WHOLE else Split(x, k - x.ndim, self.shard_axis)
                                             for x, k in zip(leaves, self.cuts.dims)])
 
     def reduce(self, grads, means, o):
         """`ShardedStateLayout.reduce` of the gradient in the params' own dtypes (a gradient w.r.t.
         params gathered in bfloat16 is cast back to float32 first, exactly, as the replicated
         step's cast inside the loss does). gather_in_model: the split leaves' gradient arrives
-        reduce-scattered already (the gathers' transposes, summed over the devices): divided by
-        N for "mean"; the whole leaves' travels with the means in one small all-reduce."""
+        reduce-scattered already (the gathers' transposes, summed over the devices; hybrid: over a
+        group's, then summed across the groups in one all-reduce): divided by N for "mean"; the
+        whole leaves' travels with the means in one small all-reduce."""
         if not self.in_model:
             grads = jax.tree.map(lambda g, leaf: g.astype(leaf.dtype), grads, self.cuts.struct)
             return super().reduce(grads, means, o)
@@ -104,7 +105,8 @@ class FullyShardedLayout(ShardedStateLayout):
         whole = [i for i, x in enumerate(leaves) if not is_split(x)]
         small, means = reduce_step_values([leaves[i] for i in whole], means, o.reduction, None, self.axis)
         scale = self.num_devices if o.reduction == "mean" else 1
-        out = [x.value / scale if is_split(x) else x for x in leaves]
+        split = iter(self.cuts.across_replicas([x.value for x in leaves if is_split(x)]))  # hybrid: over groups
+        out = [next(split) / scale if is_split(x) else x for x in leaves]
         for i, g in zip(whole, small):
             out[i] = g
         return self.cuts.treedef.unflatten(out), means
@@ -121,12 +123,12 @@ class FullyShardedLayout(ShardedStateLayout):
             return accum
         rows = self.cuts.treedef.flatten_up_to(accum.grads)
         blocks = [x if k == WHOLE else Split(jnp.zeros((x.shape[0], *self._block(x.shape[1:], k)), x.dtype),
-                                             k - (x.ndim - 1), self.axis)
+                                             k - (x.ndim - 1), self.shard_axis)
                   for x, k in zip(rows, self.cuts.dims)]
         return accum._replace(grads=self.cuts.treedef.unflatten(blocks))
 
     def _block(self, shape, k):
-        return tuple(s // self.num_devices if d == k else s for d, s in enumerate(shape))
+        return tuple(s // self.group if d == k else s for d, s in enumerate(shape))
 
     def own(self, params):
         """This device's block of every leaf: what the state already holds."""

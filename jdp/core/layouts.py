@@ -13,7 +13,7 @@ import optax
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jdp.core.mesh import batch_sharded, replicated
+from jdp.core.mesh import batch_sharded, data_axes, replicated
 from jdp.core.reduce import reduce_step_values
 from jdp.core.state import LocalAccum, TrainState
 
@@ -41,7 +41,7 @@ class ShardMapLayout:
 
     def __init__(self, mesh: Mesh, accum: str | None):
         self.mesh, self.num_devices, self.accum = mesh, mesh.devices.size, accum
-        self.axis = mesh.axis_names[0]  # the one axis every collective of the step names
+        self.axis = data_axes(mesh)  # the axis (hybrid: the two axes) every all-device collective names
         self.state_shardings = state_tree(replicated(mesh), batch_sharded(mesh), accum)
         self._specs = state_tree(P(), P(self.axis), accum)
 
@@ -183,6 +183,6 @@ def aux_shapes(loss, mesh: Mesh, params, model_state, device_batch, part: int = 
     traced on the mesh (so that collectives inside the loss, e.g. synchronised BatchNorm, have their axis)."""
     n = mesh.devices.size
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0] * n, *x.shape[1:]), x.dtype), device_batch)
-    traced = jax.shard_map(loss, mesh=mesh, in_specs=(P(), P(), P(mesh.axis_names[0]), P()), out_specs=P(),
+    traced = jax.shard_map(loss, mesh=mesh, in_specs=(P(), P(), P(data_axes(mesh)), P()), out_specs=P(),
                            check_vma=False)
     return jax.eval_shape(traced, params, model_state, batch, jax.ShapeDtypeStruct((2,), jnp.uint32))[1][part]

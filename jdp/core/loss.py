@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jdp.core.mesh import REPLICA_AXIS, SHARD_AXIS
 from jdp.core.options import StepOptions
 from jdp.core.weighting import as_sums, check_scalar_loss, is_weighted
 
@@ -29,20 +30,22 @@ def batch_rows(batch) -> int:
     return sizes.pop()
 
 
-def unbound_axes(error: BaseException, bound: str) -> list[str]:
-    """The axis names other than `bound` that the collectives on `error`'s traceback were called with.
+def unbound_axes(error: BaseException, bound: str | tuple[str, ...]) -> list[str]:
+    """The axis names other than `bound` (a name, or a tuple of them) that the collectives on `error`'s traceback
+    were called with.
 
     jax reports a collective over an axis that is not bound with a bare AssertionError (shard_map)
     or a NameError (pmap) from inside `jax.lax`; the axis it was asked for is in those frames.
     """
     found, tb = [], error.__traceback__
+    bound_names = (bound,) if isinstance(bound, str) else tuple(bound)
     while tb is not None:
         frame = tb.tb_frame
         if frame.f_code.co_filename.replace("\\", "/").endswith("jax/_src/lax/parallel.py"):
             for name in ("axis_name", "axes"):
                 value = frame.f_locals.get(name)
                 for axis in value if isinstance(value, (tuple, list)) else (value,):
-                    if isinstance(axis, str) and axis != bound and axis not in found:
+                    if isinstance(axis, str) and axis not in bound_names and axis not in found:
                         found.append(axis)
         tb = tb.tb_next
     return found
@@ -68,7 +71,13 @@ def call_loss(loss_fn, o: StepOptions, params, model_state, batch, key):
         out = loss_fn(params, *((model_state,) if o.has_state else ()), batch, *((key,) if o.needs_rng else ()))
     except (AssertionError, NameError, TypeError, ValueError) as e:
         # AssertionError/NameError: what jax raises for a collective over an axis it does not bind.
-        unbound = unbound_axes(e, o.axis_name) if isinstance(e, (AssertionError, NameError)) else []
+        bound = (REPLICA_AXIS, SHARD_AXIS) if o.replicas > 1 else o.axis_name
+        unbound = unbound_axes(e, bound) if isinstance(e, (AssertionError, NameError)) else []
+        if unbound and o.replicas > 1:
+            raise ValueError(f"loss_fn reduces over the mesh axis {unbound[0]!r} (a BatchNorm axis_name or a "
+                             f"lax.pmean/psum inside it), but with replicas={o.replicas} (hybrid sharding) the step's "
+                             f"devices lie on two axes, {bound}: name both in the model (e.g. BatchNorm "
+                             f"axis_name={bound}) to reduce over every device, or use replicas=1.") from None
         if unbound:
             raise ValueError(f"loss_fn reduces over the mesh axis {unbound[0]!r} (a BatchNorm axis_name or a "
                              f"lax.pmean/psum inside it), but the step binds {o.axis_name!r}: pass "

@@ -1,4 +1,5 @@
-"""The device mesh: one named data axis, and the shardings of replicated and batch-sharded values."""
+"""The device mesh: one named data axis (or, for hybrid sharding, replica groups × the devices of a
+group), and the shardings of replicated and batch-sharded values."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -9,11 +10,19 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 DATA_AXIS = "data"
 """The default name of the one mesh axis jdp reduces over (`axis_name=` changes it); every collective names it."""
+REPLICA_AXIS, SHARD_AXIS = "replica", "shard"
+"""Hybrid sharding's two mesh axes: the replica groups, and the devices of one group that split the state."""
 
 
-def make_mesh(devices: Sequence[jax.Device] | None = None, axis_name: str = DATA_AXIS) -> Mesh:
+def make_mesh(devices: Sequence[jax.Device] | None = None, axis_name: str = DATA_AXIS, replicas: int = 1) -> Mesh:
     """A 1-D mesh of `devices` (default: all devices; `jax.Device`s or their integer ids) along one axis,
     `axis_name` (default `DATA_AXIS`; e.g. "batch" for code that already reduces over that name).
+
+    `replicas` > 1 (hybrid sharding): a 2-D mesh (`REPLICA_AXIS`, `SHARD_AXIS`) of `replicas` rows,
+    row r the r-th consecutive N/replicas of `devices` once they are grouped by process (stably):
+    with one replica per process of equal device counts, row r is process r's devices. Device d of
+    that order sits at (d // G, d % G), G = N/replicas: the batch and the per-device keys are those
+    of the 1-D mesh of the same order.
 
     Built with `Mesh(...)` rather than `jax.make_mesh`, whose axes are Explicit: jdp's values are
     either fully replicated or split along the batch, which Auto axes express directly.
@@ -23,7 +32,21 @@ def make_mesh(devices: Sequence[jax.Device] | None = None, axis_name: str = DATA
         raise ValueError("devices is empty; pass None for all devices or a non-empty list.")
     if len({d.id for d in devices}) != len(devices):
         raise ValueError(f"devices {[d.id for d in devices]} contains duplicates; each device may appear once.")
-    return Mesh(np.array(devices), (axis_name,))
+    if isinstance(replicas, bool) or not isinstance(replicas, (int, np.integer)) or replicas < 1:
+        raise ValueError(f"replicas={replicas!r} must be a positive integer (1: no replica groups).")
+    if len(devices) % replicas:
+        raise ValueError(f"replicas={replicas} does not divide the {len(devices)} devices into equal groups; use a "
+                         f"divisor of {len(devices)}.")
+    if replicas == 1:
+        return Mesh(np.array(devices), (axis_name,))
+    by_process = sorted(devices, key=lambda d: d.process_index)  # a group's devices on one host where they can be
+    return Mesh(np.array(by_process).reshape(int(replicas), -1), (REPLICA_AXIS, SHARD_AXIS))
+
+
+def data_axes(mesh: Mesh) -> str | tuple[str, ...]:
+    """The axis name (or, on a hybrid 2-D mesh, the tuple of names) that spans every device of `mesh`:
+    what the batch is split along and what a reduction over all devices names."""
+    return mesh.axis_names[0] if len(mesh.axis_names) == 1 else tuple(mesh.axis_names)
 
 
 def _device(d) -> jax.Device:
@@ -45,4 +68,4 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 def batch_sharded(mesh: Mesh) -> NamedSharding:
     """The leading axis is split evenly over the mesh's axis (a global batch, or pmap's stacked copies)."""
-    return NamedSharding(mesh, P(mesh.axis_names[0]))
+    return NamedSharding(mesh, P(data_axes(mesh)))

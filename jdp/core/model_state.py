@@ -13,6 +13,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from jdp.core.mesh import data_axes
 from jdp.core.state import device_key
 
 # Spread across devices, relative to the leaf's largest value, that counts as "the same on every device".
@@ -58,7 +59,7 @@ def spread_over_devices(loss, mesh, params, model_state, batch, rng, micro_step)
     `loss(params, model_state, batch, key) -> (loss, (aux, new_model_state))`; `batch` is the
     global batch split along the mesh's axis (N·b rows); `params`, `model_state` one copy.
     """
-    axis = mesh.axis_names[0]
+    axis = data_axes(mesh)
 
     def per_device(params, model_state, batch, rng, micro_step):
         new = loss(params, model_state, batch, device_key(rng, micro_step, axis))[1][1]

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from jdp.core.mesh import REPLICA_AXIS, SHARD_AXIS
 from jdp.core.precision import dtype_name
 
 BACKENDS = ("shard_map", "pmap")
@@ -51,13 +52,15 @@ class StepOptions:
     sync_batchnorm: bool = True  # model state out of the loss must agree on every device (checked)
     shard_params: bool = False  # FSDP: 1/N of the params too; implies shard_optimizer_state
     gather_in_model: bool = False  # shard_params: the model gathers its params itself (`jdp.fsdp.gather`), per layer
+    replicas: int = 1  # hybrid sharding: the sharded state split within each of this many device groups, replicated across them
 
     def __post_init__(self):
         for field, choices in (("backend", BACKENDS), ("reduction", REDUCTIONS), ("accum_sync", ACCUM_SYNCS)):
             if getattr(self, field) not in choices:
                 raise OptionError(field, f"{field}={getattr(self, field)!r} is not supported; use one of {choices}.")
-        if not _is_int(self.accum_steps) or self.accum_steps < 1:
-            raise OptionError("accum_steps", f"accum_steps={self.accum_steps!r} must be an integer of at least 1.")
+        for field in ("accum_steps", "replicas"):
+            if not _is_int(getattr(self, field)) or getattr(self, field) < 1:
+                raise OptionError(field, f"{field}={getattr(self, field)!r} must be an integer of at least 1.")
         for field in ("has_aux", "needs_rng", "has_state", "skip_nonfinite", "grad_norm", "shard_optimizer_state",
                       "sync_batchnorm", "shard_params", "gather_in_model"):
             if not isinstance(getattr(self, field), (bool, np.bool_)):
@@ -73,6 +76,13 @@ class StepOptions:
         if self.shard_optimizer_state and self.backend != "shard_map":
             raise OptionError("shard_optimizer_state", f"shard_optimizer_state=True needs backend='shard_map' "
                               f"(got {self.backend!r}): pmap keeps a whole copy of the state on every device.")
+        if self.replicas > 1 and not self.shard_optimizer_state:
+            raise OptionError("replicas", f"replicas={self.replicas} (hybrid sharding) splits the sharded state within "
+                              f"groups of devices; it needs shard_params=True or shard_optimizer_state=True (without "
+                              f"them every device holds the whole state already).")
+        if self.replicas > 1 and self.axis_name in (REPLICA_AXIS, SHARD_AXIS):
+            raise OptionError("axis_name", f"axis_name={self.axis_name!r} is one of hybrid sharding's two mesh axes "
+                              f"({REPLICA_AXIS!r}, {SHARD_AXIS!r}); use another name with replicas={self.replicas}.")
         if not isinstance(self.axis_name, str) or not self.axis_name.isidentifier():
             raise OptionError("axis_name", f"axis_name={self.axis_name!r} must be a mesh axis name: a non-empty "
                               f"identifier such as 'data' or 'batch'.")
@@ -88,6 +98,7 @@ class StepOptions:
                               f"backward pass, in the params' dtype, so reduce_dtype={self.reduce_dtype!r} cannot "
                               f"apply; use reduce_dtype=None.")
         object.__setattr__(self, "accum_steps", int(self.accum_steps))
+        object.__setattr__(self, "replicas", int(self.replicas))
         object.__setattr__(self, "lr_correction", self._resolved_lr_correction())
 
     def _resolved_lr_correction(self) -> str:

@@ -83,7 +83,7 @@ from jdp.core.algorithm import Step, device_step
 from jdp.core.fsdp import FullyShardedLayout, host_whole
 from jdp.core.layouts import LAYOUTS, UNSIZED, aux_shapes
 from jdp.core.loss import batch_rows, call_loss
-from jdp.core.mesh import DATA_AXIS, batch_sharded, make_mesh
+from jdp.core.mesh import DATA_AXIS, batch_sharded, data_axes, make_mesh
 from jdp.core.model_state import check_agreement, check_structure, spread_over_devices
 from jdp.core.optim import OptimizerSpec, check_optimizer, for_reduction, with_grad_scale
 from jdp.core.options import StepOptions
@@ -105,7 +105,7 @@ class TrainStep:
         if not callable(loss_fn):
             raise ValueError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
         self.options = o = options
-        self.mesh = make_mesh(devices, o.axis_name)
+        self.mesh = make_mesh(devices, o.axis_name, o.replicas)
         self.devices = list(self.mesh.devices.flat)
         self.num_devices = len(self.devices)
         self.local_devices = len(self.mesh.local_devices)  # this process's share of the mesh
@@ -270,7 +270,7 @@ class _FirstCall:
         if self.options.sync_batchnorm:
             spread, scale = spread_over_devices(self._loss, self.mesh, one.params, one.model_state, batch, one.rng,
                                                 one.micro_step)
-            check_agreement(spread, scale, self.mesh.axis_names[0])
+            check_agreement(spread, scale, data_axes(self.mesh))
         self.model_state_checked = True
 
 
@@ -365,7 +365,7 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation |
                     grad_norm: bool = True, precision="float32", reduce_dtype=None,
                     shard_optimizer_state: bool = False, shard_params: bool = False,
                     axis_name: str = DATA_AXIS, sync_batchnorm: bool = True,
-                    gather_in_model: bool = False) -> TrainStep:
+                    gather_in_model: bool = False, replicas: int = 1) -> TrainStep:
     """Build a data-parallel training step.
 
     Args:
@@ -408,6 +408,11 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation |
       gather_in_model: shard_params only: hand the loss every split params leaf as a
         `jdp.fsdp.Split` (this device's block) for the model to gather itself with
         `jdp.fsdp.gather`, one layer at a time inside its scanned layers (`jdp.core.split`).
+      replicas: hybrid sharding (with shard_params or shard_optimizer_state): the N devices form
+        `replicas` groups of N/replicas (consecutive devices; one per host with a group per process);
+        the state is split within a group and replicated across groups, so the gradient is
+        reduce-scattered within each group and its blocks all-reduced across them (PyTorch FSDP's
+        HYBRID_SHARD). The mesh is 2-D, ("replica", "shard"); the batch is split over both.
       axis_name: the mesh axis the step binds and reduces over (default "data"); code that reduces
         over its own axis ('batch') runs unchanged with it (`jdp.core.step`'s docstring).
       sync_batchnorm: has_state only. True (default): the new model state must come out of the loss
@@ -423,7 +428,7 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation |
                           accum_sync=accum_sync, skip_nonfinite=skip_nonfinite, grad_norm=grad_norm,
                           precision=precision, reduce_dtype=reduce_dtype, shard_optimizer_state=shard_optimizer_state,
                           shard_params=shard_params, axis_name=axis_name, sync_batchnorm=sync_batchnorm,
-                          gather_in_model=gather_in_model)
+                          gather_in_model=gather_in_model, replicas=replicas)
     return TrainStep(loss_fn, optimizer, options, devices)
 
 

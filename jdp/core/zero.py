@@ -56,14 +56,18 @@ def spec(dim: int, ndim: int, axis: str) -> P:
 
 
 class Cuts:
-    """How each params leaf lies on the N devices: split along `dims[i]` (see `split_dim`) or whole.
+    """How each params leaf lies on the n devices of mesh axis `axis`: split along `dims[i]` (see
+    `split_dim`) or whole.
 
     Leaf i of `params` (canonical, global shapes) split along k has blocks of shape s with
-    s[k] = shape[k] / N; device d holds indices [d·s[k], (d+1)·s[k]) of dimension k.
+    s[k] = shape[k] / n; device d holds indices [d·s[k], (d+1)·s[k]) of dimension k. Hybrid
+    sharding: `replicas` groups of n devices along `replica_axis` each hold the leaf so split (a
+    device's block is the same in every group), and a reduction over all n·replicas devices
+    completes the groups' reduce-scatters with one all-reduce of the blocks across the groups.
     """
 
-    def __init__(self, params, n: int, axis: str = DATA_AXIS):
-        self.n, self.axis = n, axis
+    def __init__(self, params, n: int, axis: str = DATA_AXIS, replica_axis: str | None = None, replicas: int = 1):
+        self.n, self.axis, self.replica_axis, self.replicas = n, axis, replica_axis, replicas
         self.struct = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), params)
         self.leaves, self.treedef = jax.tree.flatten(self.struct)
         self.dims = [split_dim(x.shape, n) for x in self.leaves]
@@ -105,9 +109,10 @@ class Cuts:
 
     def scatter(self, grads, mean: bool, reduce_dtype=None):
         """Reduce-scatter: this device's block of every split leaf, summed (mean: averaged) over
-        devices; whole leaves come back as None. One `psum_scatter` per dtype: the leaves laid out
-        as an (N, Σ block sizes) buffer whose row d is what device d receives. bf16/fp16 are divided
-        by N before the sum (it cannot overflow), float32 after it, as `mean_over_devices` does."""
+        all devices; whole leaves come back as None. One `psum_scatter` per dtype: the leaves laid
+        out as an (n, Σ block sizes) buffer whose row d is what device d receives (hybrid: then one
+        `psum` of the rows across the replica groups). bf16/fp16 are divided by the device count
+        before the sum (it cannot overflow), float32 after it, as `mean_over_devices` does."""
         leaves = self.treedef.flatten_up_to(grads)
         own = [x.dtype for x in leaves]
         if reduce_dtype is not None:
@@ -117,14 +122,20 @@ class Cuts:
         for dtype in dict.fromkeys(leaves[i].dtype for i in split):
             idx = [i for i in split if leaves[i].dtype == dtype]
             buf = jnp.concatenate([self._rows(leaves[i], self.dims[i]) for i in idx], axis=1)
-            before = mean and low_precision(buf)
-            buf = buf / self.n if before else buf
+            before, total = mean and low_precision(buf), self.n * self.replicas
+            buf = buf / total if before else buf
             row = lax.psum_scatter(buf.reshape(-1), self.axis, scatter_dimension=0, tiled=True)
-            row = row / self.n if mean and not before else row
+            row = self.across_replicas(row)
+            row = row / total if mean and not before else row
             sizes = [self.block_bytes(i) // self.leaves[i].dtype.itemsize for i in idx]
             for i, part in zip(idx, jnp.split(row, np.cumsum(sizes)[:-1])):
                 out[i] = self._block(part, i).astype(own[i])
         return out
+
+    def across_replicas(self, tree):
+        """Hybrid sharding: `tree` (blocks reduced within each group) summed over the replica groups, one
+        all-reduce; as it is otherwise."""
+        return tree if self.replica_axis is None else lax.psum(tree, self.replica_axis)
 
     def gather(self, blocks):
         """All-gather: the whole leaves, in their shapes, from every device's blocks. One per dtype."""
@@ -168,10 +179,15 @@ class ShardedStateLayout(ShardMapLayout):
         super().__init__(mesh, accum)
         self.optimizer, self.cuts, self._device_step, self._jitted = optimizer, None, None, None
         self.gathered = []  # operations the optimizer's update ran on whole values (`jdp.core.blockwise`)
+        # The state is split along the mesh's last axis: all of it, or (hybrid) a replica group's devices.
+        self.shard_axis = mesh.axis_names[-1]
+        self.replica_axis = mesh.axis_names[0] if len(mesh.axis_names) > 1 else None
+        self.group = mesh.shape[self.shard_axis]  # devices one state leaf is split over
+        self.replicas = self.num_devices // self.group
 
     def bind(self, params) -> bool:
         """Cut `params`' leaves over the devices; True if this changed the state's layout."""
-        cuts = Cuts(params, self.num_devices, self.axis)
+        cuts = Cuts(params, self.group, self.shard_axis, self.replica_axis, self.replicas)
         if self.cuts is not None and (cuts.treedef, cuts.leaves) == (self.cuts.treedef, self.cuts.leaves):
             return False
         self.opt_struct = jax.eval_shape(self.optimizer.init, cuts.struct)
@@ -180,7 +196,7 @@ class ShardedStateLayout(ShardMapLayout):
         self.opt_dims = optax.tree_map_params(
             self.optimizer, lambda x, i: cuts.dims[i] if x.shape == cuts.leaves[i].shape else WHOLE,
             self.opt_struct, index, transform_non_params=lambda _: WHOLE)
-        opt_specs = jax.tree.map(lambda d, x: spec(d, len(x.shape), self.axis), self.opt_dims, self.opt_struct)
+        opt_specs = jax.tree.map(lambda d, x: spec(d, len(x.shape), self.shard_axis), self.opt_dims, self.opt_struct)
         self.cuts, self._jitted = cuts, None
         self._specs = self.state_specs(opt_specs)
         self.state_shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), self._specs,
@@ -201,7 +217,7 @@ class ShardedStateLayout(ShardMapLayout):
             run = functools.partial(tx.update, **extra) if extra else tx.update
             out, gathered = blockwise(run, (cuts.struct, self.opt_struct, cuts.struct), (grads, state, params),
                                       (cuts.dim_tree(), self.opt_dims, cuts.dim_tree()),
-                                      (cuts.dim_tree(), self.opt_dims), self.axis, self.num_devices)
+                                      (cuts.dim_tree(), self.opt_dims), self.shard_axis, self.group)
             self.gathered = gathered
             return out
 
@@ -231,13 +247,14 @@ class ShardedStateLayout(ShardMapLayout):
         return lax.psum(jnp.logical_not(flag).astype(jnp.int32), self.axis) == 0
 
     def global_norm(self, grads):
-        """The whole gradient's L2 norm, float32: the blocks' squares summed over the devices (one
-        scalar all-reduce), the whole leaves' counted once."""
+        """The whole gradient's L2 norm, float32: the blocks' squares summed over the devices a leaf
+        is split over (one scalar all-reduce; hybrid: within a group, which holds every block once),
+        the whole leaves' counted once."""
         leaves = self.cuts.treedef.flatten_up_to(grads)
         sq = lambda x: jnp.sum(jnp.square(x.astype(jnp.float32)))  # noqa: E731
         split, whole = self.cuts.split(grads)
         local = sum((sq(leaves[i]) for i in split), jnp.float32(0))
-        return jnp.sqrt(lax.psum(local, self.axis) + sum((sq(leaves[i]) for i in whole), jnp.float32(0)))
+        return jnp.sqrt(lax.psum(local, self.shard_axis) + sum((sq(leaves[i]) for i in whole), jnp.float32(0)))
 
     def canonical(self, state: TrainState) -> TrainState:
         """The optimizer state as the replicated layout holds it (the same shapes, replicated)."""

@@ -36,10 +36,13 @@ class Collective:
     executions_per_update: int  # how often it runs per optimizer step
     carries_gradients: bool  # its payload holds the whole gradient (>= the gradient's bytes)
     widened: bool = False  # the program sends bf16; this backend (CPU) widened it to f32
+    group: int | None = None  # devices in each of its replica groups; None: every device of the step
+    #                           (hybrid sharding: a group's devices, or one device of each group)
 
     def ring_bytes(self, n: int) -> float:
-        """Bytes each of `n` devices sends for one execution in a ring."""
-        return _RING[self.kind](n) * self.bytes
+        """Bytes each device sends for one execution in a ring over its group (`n`: the step's
+        devices, the group when `group` is None)."""
+        return _RING[self.kind](self.group or n) * self.bytes
 
 
 AllReduce = Collective  # the name before reduce-scatter and all-gather were reported
@@ -76,7 +79,8 @@ class CommReport:
     def ring_bytes_per_device(self) -> float:
         """Ring traffic each device sends per optimizer step: 2(N−1)/N · bytes for an all-reduce
         (N−1 reduce-scatter chunks, then N−1 all-gather chunks, of bytes/N each), (N−1)/N · bytes
-        for a reduce-scatter or an all-gather."""
+        for a reduce-scatter or an all-gather, N the devices of the collective's group (hybrid
+        sharding: the G devices of a replica group, or the R groups' copies of a block)."""
         return sum(c.ring_bytes(self.devices) * c.executions_per_update for c in self.collectives)
 
     def __str__(self) -> str:
@@ -89,7 +93,8 @@ class CommReport:
                  f"{self.bytes_per_update:,} bytes, ring traffic {self.ring_bytes_per_device:,.0f} bytes/device "
                  f"(gradient = {self.gradient_bytes:,} bytes)"]
         for c in self.collectives:
-            lines.append(f"  {c.kind} in {c.computation}: {c.bytes:,} bytes, runs {c.runs}, "
+            lines.append(f"  {c.kind} in {c.computation}" + (f" (groups of {c.group})" if c.group else "")
+                         + f": {c.bytes:,} bytes, runs {c.runs}, "
                          f"×{c.executions_per_update} per optimizer step" + (" (gradient)" if c.carries_gradients else "")
                          + (" (bf16 in the program; this backend's collectives widen it to f32)" if c.widened else ""))
         return "\n".join(lines)
@@ -107,7 +112,8 @@ _OP = re.compile(r"=\s*(.*?)\s+(all-reduce|reduce-scatter|all-gather)(?:-start)?
 
 def parse_collectives(hlo: str) -> list[dict]:
     """Each collective in the HLO text `hlo`: kind, computation, whether it sits in a conditional
-    branch, full payload bytes (see `Collective.bytes`) and whether the backend widened it."""
+    branch, full payload bytes (see `Collective.bytes`), whether the backend widened it, and the
+    devices in each of its replica groups (None where the HLO does not say)."""
     computation, found, branches = None, [], set()
     for line in hlo.splitlines():
         header = _HEADER.match(line)
@@ -121,23 +127,24 @@ def parse_collectives(hlo: str) -> list[dict]:
         if op:
             result, kind, rest = op.groups()
             nbytes = _shape_bytes(result)
+            group = _group_size(rest)
             if kind == "reduce-scatter":  # the result is one slice: the payload is N of them
-                nbytes *= _group_size(rest)
+                nbytes *= group or 1
             found.append({"kind": kind, "computation": computation, "bytes": nbytes,
-                          "widened": "_promoted" in rest})
+                          "widened": "_promoted" in rest, "group": group})
     for f in found:
         f["in_branch"] = f["computation"] in branches
     return found
 
 
-def _group_size(attrs: str) -> int:
+def _group_size(attrs: str) -> int | None:
     """Devices in the first replica group of an HLO collective (`replica_groups={{0,1,2,3},...}`
-    or the iota form `replica_groups=[1,4]<=[4]`)."""
+    or the iota form `replica_groups=[1,4]<=[4]`); None if it names none."""
     m = re.search(r"replica_groups=\{\{([\d,]+)\}", attrs)
     if m:
         return len(m.group(1).split(","))
     m = re.search(r"replica_groups=\[(\d+),(\d+)\]", attrs)
-    return int(m.group(2)) if m else 1
+    return int(m.group(2)) if m else None
 
 
 def parse_allreduces(hlo: str) -> list[tuple[str, bool, int]]:
@@ -163,6 +170,6 @@ def comm_report(step, state, batch) -> CommReport:
                               runs="update only" if c["in_branch"] else "every call", bytes=c["bytes"],
                               executions_per_update=1 if c["in_branch"] else step.accum_steps,
                               carries_gradients=c["kind"] == "all-reduce" and c["bytes"] >= grad_bytes,
-                              widened=c["widened"])
+                              widened=c["widened"], group=None if c["group"] == step.num_devices else c["group"])
                    for c in parse_collectives(hlo)]
     return CommReport(step.num_devices, step.accum_steps, step.accum_sync, grad_bytes, collectives)

@@ -27,6 +27,7 @@ class MemoryReport:
     compiled: dict | None = None  # XLA's memory analysis of the compiled step, bytes per device
     params_sharded: bool = False  # shard_params: the params are kept split between steps
     gathered: str | None = None  # shard_params: "whole model" (before the loss) or "per layer, by the model"
+    replicas: int = 1  # hybrid sharding: the sharded state is split within each of this many device groups
 
     @property
     def state(self) -> int:
@@ -45,9 +46,12 @@ class MemoryReport:
 
     @property
     def layout(self) -> str:
-        """The layout in words: replicated, ZeRO-1 or FSDP, and how FSDP gathers the params."""
-        return (f"params, gradient and optimizer state sharded, gathered {self.gathered}" if self.params_sharded
-                else "optimizer state sharded" if self.sharded else "replicated")
+        """The layout in words: replicated, ZeRO-1 or FSDP, how FSDP gathers the params, and the
+        replica groups of hybrid sharding."""
+        groups = (f" over {self.devices // self.replicas} devices in each of {self.replicas} replica groups"
+                  if self.replicas > 1 else "")
+        return (f"params, gradient and optimizer state sharded{groups}, gathered {self.gathered}" if self.params_sharded
+                else f"optimizer state sharded{groups}" if self.sharded else "replicated")
 
     def __str__(self) -> str:
         layout = self.layout
@@ -86,4 +90,4 @@ def memory_report(step, state, batch=None) -> MemoryReport:
                         params_sharded=bool(step.options.shard_params),
                         gathered=None if not step.options.shard_params else
                         "per layer, by the model (gather_in_model)" if step.options.gather_in_model else
-                        "whole model, before the loss")
+                        "whole model, before the loss", replicas=step.options.replicas)

@@ -14,31 +14,43 @@ class ReplicaMismatchError(AssertionError):
     """Raised by `check_replicas` when some device's copy of a leaf differs from device 0's."""
 
 
-def _copies(x: jax.Array, stacked: bool) -> list[tuple[jax.Device, np.ndarray]]:
-    copies = [(s.device, np.asarray(s.data)) for s in x.addressable_shards]
+def _copies(x: jax.Array, stacked: bool) -> list[list[tuple[jax.Device, np.ndarray]]]:
+    """The local copies of each part of `x`: one list of (device, value) per part that should agree."""
     if stacked:  # pmap layout: each device holds a (1, ...) slice of the (N, ...) leaf
-        copies = [(d, a[0]) for d, a in copies]
-    return copies
+        return [[(s.device, np.asarray(s.data)[0]) for s in x.addressable_shards]]
+    parts = {}  # a replicated leaf is one part; a split one, one per block (hybrid sharding: copies per group)
+    for s in x.addressable_shards:
+        parts.setdefault(repr(s.index), []).append((s.device, np.asarray(s.data)))
+    return list(parts.values())
 
 
 def replica_mismatches(state) -> list[str]:
-    """One line per leaf of `state` whose copies are not bit-identical on every local device.
+    """One line per leaf (or block of a split leaf) of `state` whose copies are not bit-identical on
+    every local device that holds one.
 
     Compares raw bytes, so NaNs with equal bits count as equal and -0.0 differs from 0.0. The
-    gradient accumulator of accum_sync="last" is per-device by design and is not compared, nor
-    are leaves split over the devices (shard_optimizer_state, shard_params): each slice has one copy.
+    gradient accumulator of accum_sync="last" is per-device by design and is not compared. A leaf
+    split over the devices (shard_optimizer_state, shard_params) has one copy of each block, except
+    under hybrid sharding, where every replica group holds one: those copies are compared.
     """
     problems = []
     for path, leaf in jax.tree_util.tree_leaves_with_path(state.replace(accum=None)):
-        if not isinstance(leaf, jax.Array) or not (state.stacked or leaf.sharding.is_fully_replicated):
+        if not isinstance(leaf, jax.Array):
             continue
-        copies = _copies(leaf, state.stacked)
-        ref_device, ref = copies[0]
-        bad = [(d, a) for d, a in copies[1:] if a.shape != ref.shape or a.tobytes() != ref.tobytes()]
-        for device, a in bad:
-            diff = np.max(np.abs(a.astype(np.float64) - ref.astype(np.float64))) if a.shape == ref.shape else None
-            problems.append(f"{jax.tree_util.keystr(path)}: device {device.id} differs from device {ref_device.id}"
-                            + (f" (max |Δ| {diff:.3g})" if diff is not None else f" (shape {a.shape} vs {ref.shape})"))
+        for copies in _copies(leaf, state.stacked):
+            problems += _differing(jax.tree_util.keystr(path), copies)
+    return problems
+
+
+def _differing(name: str, copies) -> list[str]:
+    """A line for each copy that differs from the first."""
+    problems = []
+    ref_device, ref = copies[0]
+    bad = [(d, a) for d, a in copies[1:] if a.shape != ref.shape or a.tobytes() != ref.tobytes()]
+    for device, a in bad:
+        diff = np.max(np.abs(a.astype(np.float64) - ref.astype(np.float64))) if a.shape == ref.shape else None
+        problems.append(f"{name}: device {device.id} differs from device {ref_device.id}"
+                        + (f" (max |Δ| {diff:.3g})" if diff is not None else f" (shape {a.shape} vs {ref.shape})"))
     return problems
 
 

@@ -31,7 +31,7 @@ from typing import Any
 from jdp.core.optim import OptimizerSpec
 from jdp.core.options import OptionError, StepOptions
 from jdp.data.datasets import DIGITS_EXAMPLES, SEED_REGRESSIONS, held_out_count
-from jdp.run.config_sections import (ATTENTIONS, DATASETS, MODEL_DATA, MODELS, SECTIONS, DataConfig, ModelConfig,
+from jdp.run.config_sections import (ATTENTIONS, DATASETS, HOSTS, MODEL_DATA, MODELS, SECTIONS, DataConfig, ModelConfig,
                                  OptimConfig, ParallelConfig, TrainConfig, step_option_key)
 from jdp.run.sections import ConfigError, field_docs, parse_override, read_yaml
 from jdp.text import quoted, shorten
@@ -39,7 +39,7 @@ from jdp.text import quoted, shorten
 # Fields left out of `config_hash`: they may change between runs of the same training (so may
 # train.steps where the schedule does not use it: `run_identity`).
 HASH_EXCLUDED = ("data.eval_batch_size", "data.val_path", "data.threads", "data.workers", "parallel.devices",
-                 "parallel.shard_optimizer_state", "parallel.shard_params", "train.log_every",
+                 "parallel.shard_optimizer_state", "parallel.shard_params", "parallel.replicas", "train.log_every",
                  "train.eval_every", "train.checkpoint_every", "train.keep_checkpoints", "train.max_nonfinite",
                  "train.profile_steps")
 # Fields that say where a run may start, not what it trains: left out of `run_identity` as well.
@@ -213,6 +213,9 @@ def validate(config: Config, num_devices: int | None) -> Config:
     if num_devices is not None and p.devices is not None and p.devices > num_devices:
         raise ConfigError(f"parallel.devices={p.devices} is more than the {num_devices} devices available.")
     devices = p.devices if p.devices is not None else num_devices
+    if devices is not None and p.replicas != HOSTS and devices % p.replicas:
+        raise ConfigError(f"parallel.replicas={p.replicas} does not divide the {devices} devices into equal groups; "
+                          f"use a divisor of {devices}.")
     if devices is not None and d.batch_size % (p.accum_steps * devices):
         raise ConfigError(f"data.batch_size={d.batch_size} is not a multiple of parallel.accum_steps × devices "
                           f"= {p.accum_steps} × {devices}; use a multiple of {p.accum_steps * devices}.")
@@ -248,9 +251,13 @@ def _check_step_and_optimizer(config: Config) -> None:
         StepOptions(backend=p.backend, reduction=p.reduction, lr_correction=p.lr_correction,
                     accum_steps=p.accum_steps, accum_sync=p.accum_sync, precision=config.train.precision,
                     reduce_dtype=p.reduce_dtype, shard_optimizer_state=p.shard_optimizer_state,
-                    shard_params=p.shard_params)
+                    shard_params=p.shard_params, replicas=1 if p.replicas == HOSTS else p.replicas)
     except OptionError as e:
         raise ConfigError(f"{step_option_key(e.field)}: {e}") from None
+    if p.replicas == HOSTS and not p.shard_optimizer_state and not p.shard_params:
+        raise ConfigError("parallel.replicas='hosts' (hybrid sharding: one group per process) splits the sharded "
+                          "state within each process's devices; it needs parallel.shard_params=true or "
+                          "parallel.shard_optimizer_state=true.")
     try:
         config.optimizer_spec()
     except OptionError as e:  # the spec's decay_steps is train.steps
@@ -270,8 +277,9 @@ def run_identity(config: Config) -> dict[str, dict[str, Any]]:
     (HASH_EXCLUDED): train.log_every, eval_every, checkpoint_every, keep_checkpoints and
     data.eval_batch_size and data.val_path (what is logged, evaluated or saved when, not what is
     trained), data.threads and data.workers (how batches are computed, never which), and
-    parallel.devices, parallel.shard_optimizer_state and parallel.shard_params (the device count and
-    the layout may change between runs: the step's result does not depend on them), and train.accelerator_only (PLACEMENT_ONLY: where a run may start, not what it trains).
+    parallel.devices, parallel.shard_optimizer_state, parallel.shard_params and parallel.replicas
+    (the device count and the layout may change between runs: the step's result does not depend on
+    them), and train.accelerator_only (PLACEMENT_ONLY: where a run may start, not what it trains).
     train.steps counts only where the schedule uses it (`schedule_uses_steps`): otherwise the
     first S steps of a longer run are those of an S-step run, so more steps extend a run.
     Everything else counts, train.precision, parallel.reduce_dtype, model.attention and

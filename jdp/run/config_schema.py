@@ -25,11 +25,15 @@ EXPONENT = r"^\s*[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+\s*$"
 
 
 def _type_schema(tp, rule) -> dict:
-    """The JSON Schema of an annotation (bool, int, float, str, tuple[int, ...], X | None) under `rule`."""
+    """The JSON Schema of an annotation (bool, int, float, str, tuple[int, ...], X | None, int | str) under
+    `rule` (whose keywords each type's branch keeps: JSON Schema applies "minimum" to numbers only,
+    "pattern" to strings only)."""
     args = typing.get_args(tp)
     if type(None) in args:
         inner = _type_schema(next(a for a in args if a is not type(None)), rule)
         return {"anyOf": [inner, {"type": "null"}]}
+    if args and typing.get_origin(tp) is not tuple:
+        return {"anyOf": [_type_schema(a, rule) for a in args]}
     if tp is bool:
         return {"type": "boolean", **rule.schema}
     if tp is int:

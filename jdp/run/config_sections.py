@@ -24,10 +24,13 @@ DATASETS = ("digits", "chars", "seed_linear", "arrays", "tokens")
 # The datasets each model can train on (the model's input and loss must fit the arrays).
 MODEL_DATA = {"mlp": ("digits", "arrays"), "cnn": ("digits", "arrays"), "gpt": ("chars", "tokens"),
               "linear": ("seed_linear", "arrays")}
+HOSTS = "hosts"  # parallel.replicas: one replica group per process
 ATTENTIONS = ("flax", "fused", "cudnn")  # the gpt's attention functions, as `jdp.models.gpt.ATTENTIONS` names them
 # train.precision and parallel.reduce_dtype: what the section checks itself (the type); StepOptions
 # checks the value, so "fp16" gets its one-sentence reason and "bf16" its canonical name.
 DTYPE = Rule("'float32' ('fp32') or 'bfloat16' ('bf16')", schema={"enum": [*DTYPES, *ALIASES]})
+REPLICAS = Rule("a positive integer or 'hosts' (one group per process)",
+                lambda v: v == HOSTS if isinstance(v, str) else v >= 1, schema={"minimum": 1, "pattern": "^hosts$"})
 PROFILE_STEPS = Rule("'FIRST:LAST' (quoted: YAML reads 20:25 unquoted as a number), two step numbers with "
                      "1 <= FIRST <= LAST", lambda v: _profile_steps_ok(v), schema={"pattern": r"^\d+:\d+$"})
 
@@ -211,12 +214,18 @@ class ParallelConfig(Section):
     """Fully sharded data parallel (backend shard_map; implies shard_optimizer_state): each device
     keeps 1/N of the params too, gathers them for each forward and backward pass and reduce-scatters
     the gradient. The same step and the same checkpoints, so a run may resume with or without it."""
+    replicas: int | str = 1
+    """Hybrid sharding, with shard_params or shard_optimizer_state: the devices form this many equal
+    groups ("hosts": one per process), the state split over a group's devices and replicated across
+    the groups; the gradient is reduce-scattered within each group and its blocks all-reduced
+    across them (PyTorch FSDP's HYBRID_SHARD). 1: one group of every device. The same step and the
+    same checkpoints."""
 
     _section: ClassVar[str] = "parallel"
     _rules: ClassVar[dict[str, Rule]] = dict(
         backend=one_of(BACKENDS), devices=or_null(POSITIVE_INT), reduction=one_of(REDUCTIONS),
         lr_correction=or_null(one_of(LR_CORRECTIONS)), accum_steps=POSITIVE_INT, accum_sync=one_of(ACCUM_SYNCS),
-        reduce_dtype=or_null(DTYPE), shard_optimizer_state=BOOL, shard_params=BOOL)
+        reduce_dtype=or_null(DTYPE), shard_optimizer_state=BOOL, shard_params=BOOL, replicas=REPLICAS)
 
     def __post_init__(self):
         super().__post_init__()

@@ -83,12 +83,15 @@ _EXPONENT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
 def _coerce(tp, value):
-    """`value` as type `tp` (bool, int, float, str, tuple[int, ...], or one of those | None), else _BAD."""
+    """`value` as type `tp` (bool, int, float, str, tuple[int, ...], or one of those | None, or int | str),
+    else _BAD."""
     args = typing.get_args(tp)
     if type(None) in args:
         if value is None:
             return None
         tp = next(a for a in args if a is not type(None))
+    elif args and typing.get_origin(tp) is not tuple:  # a union such as int | str: the first type that takes it
+        return next((v for v in (_coerce(a, value) for a in args) if v is not _BAD), _BAD)
     if tp is bool:
         return value if isinstance(value, bool) else _BAD
     if tp is int:

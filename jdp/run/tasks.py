@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -15,6 +16,7 @@ from jdp.core.weighting import Weighted
 import jdp.data as D
 from jdp.data import MASK_KEY, ArrayDataset
 from jdp.models import CNN, GPT, MLP, functional
+from jdp.run.config_sections import HOSTS
 from jdp.text import quoted, shorten
 
 
@@ -215,9 +217,12 @@ def build_task(config) -> Task:
 
 def train_step_for(config, task: Task, devices, **layout):
     """The step `jdp train` runs for `config` (a `jdp.config.Config`) on `task`; `layout` overrides
-    shard_optimizer_state and shard_params (for `jdp memory`'s table)."""
+    shard_optimizer_state and shard_params (for `jdp memory`'s table). parallel.replicas applies to
+    the sharded layouts ("hosts": one replica group per process)."""
     p, t = config.parallel, config.train
     layout = {"shard_optimizer_state": p.shard_optimizer_state, "shard_params": p.shard_params} | layout
+    sharded = layout["shard_optimizer_state"] or layout["shard_params"]
+    layout["replicas"] = (jax.process_count() if p.replicas == HOSTS else p.replicas) if sharded else 1
     return make_train_step(task.loss_fn, config.optimizer_spec(), backend=p.backend, reduction=p.reduction,
                            lr_correction=p.lr_correction, devices=devices, has_aux=True, needs_rng=True,
                            has_state=True, accum_steps=p.accum_steps, accum_sync=p.accum_sync,
