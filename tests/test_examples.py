@@ -74,3 +74,13 @@ def test_own_model_through_the_trainer_learns_and_resumes(tmp_path):
     assert held_out(out) > 0.95, out
     again = run_example("own_model_trainer.py", str(tmp_path / "run"))
     assert "the run is complete" in again and held_out(again) == held_out(out), again  # repeated, not retrained
+
+
+def test_fsdp_own_model_gathers_per_layer_in_nnx_and_linen():
+    out = run_example("fsdp_own_model.py")
+    for name in ("nnx", "linen"):  # each equal to one device, with every layer's gradient reduce-scattered in the loop
+        assert re.search(rf"^{name}: equal to one device; gathered per layer, by the model \(gather_in_model\); "
+                         rf"inside the scan: \d+ all-gathers, 4 reduce-scatters$", out, re.M), out
+    page = (ROOT / "docs" / "fsdp.md").read_text(encoding="utf-8")
+    quoted = re.search(r"examples/fsdp_own_model\.py\n.*?```text\n(.*?)```", page, re.S).group(1)
+    assert quoted.splitlines() == out.splitlines()  # what docs/fsdp.md says it prints
