@@ -144,3 +144,15 @@ def test_config_key_and_a_resume_across_it(tmp_path):
         load_config(None, ["parallel.replicas=hosts"])
     with pytest.raises(ConfigError, match=r"^parallel\.replicas=3 does not divide the 8 devices"):
         load_config(None, ["parallel.replicas=3", "parallel.shard_params=true", "parallel.devices=8"])
+
+
+def test_per_layer_gathering_in_replica_groups_equals_one_device():
+    # the GPT gathers each layer within its group inside the scan; the transposes reduce-scatter
+    # within the group, and the blocks cross the groups once
+    from tests.test_fsdp_layers import run as gpt_run
+
+    _, one, norm = gpt_run(1)
+    step, hybrid, hybrid_norm = gpt_run(8, shard_params=True, gather_in_model=True, replicas=2)
+    assert max_abs_diff(jdp.get_params(hybrid), jdp.get_params(one)) <= 1e-6
+    assert hybrid_norm == pytest.approx(norm, rel=1e-5)
+    assert jdp.memory_report(step, hybrid).gathered == "per layer, by the model (gather_in_model)"
