@@ -239,6 +239,10 @@ MUTANTS = [
            "(cuts.dim_tree(), self.opt_dims), self.shard_axis, self.group)",
            "(cuts.dim_tree(), self.opt_dims), self.axis, self.group)",  # clip's norm summed over both groups
            ("tests/test_hybrid.py::test_hybrid_sharding_equals_one_device[adamw_clip-fsdp-2-None]",)),
+    Mutant("hybrid_batchnorm_over_one_axis", "bridges/nnx.py",
+           'split = SplitModel.of(model, sync_batchnorm, device_axes(options.get("axis_name", DATA_AXIS),',
+           'split = SplitModel.of(model, sync_batchnorm, (lambda a, r: a)(options.get("axis_name", DATA_AXIS),',
+           ("tests/test_hybrid.py::test_synchronised_batchnorm_reduces_over_both_axes",)),
     Mutant("replica_check_skips_group_copies", "inspect/replicas.py",
            "parts.setdefault(repr(s.index), []).append((s.device, np.asarray(s.data)))",
            "parts.setdefault(s.device.id, []).append((s.device, np.asarray(s.data)))",  # each block alone

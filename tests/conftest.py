@@ -158,6 +158,7 @@ QUICK = (
     "test_hybrid.py::test_hybrid_sharding_equals_one_device[adamw_clip-fsdp-2-None]",
     "test_hybrid.py::test_gradient_blocks_cross_the_groups_in_one_all_reduce",
     "test_hybrid.py::test_a_diverged_group_copy_is_found", "test_hybrid.py::test_refusals_name_the_problem",
+    "test_hybrid.py::test_synchronised_batchnorm_reduces_over_both_axes",
     "test_data_sources.py::test_a_mid_epoch_state_resumes_exactly",
     "test_data_sources.py::test_a_random_transform_is_seeded_from_seed_epoch_and_index",
     "test_tokens_train.py::test_a_bad_token_config_exits_2[overrides0-data.name='tokens' needs data.vocab_size]",

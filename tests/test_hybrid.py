@@ -5,6 +5,7 @@ import functools
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -156,3 +157,43 @@ def test_per_layer_gathering_in_replica_groups_equals_one_device():
     assert max_abs_diff(jdp.get_params(hybrid), jdp.get_params(one)) <= 1e-6
     assert hybrid_norm == pytest.approx(norm, rel=1e-5)
     assert jdp.memory_report(step, hybrid).gathered == "per layer, by the model (gather_in_model)"
+
+
+def test_synchronised_batchnorm_reduces_over_both_axes():
+    # jdp.nnx names every BatchNorm's axes itself: under hybrid sharding, both of the mesh's axes, so the
+    # statistics are the global batch's; the trainer's CNN (model.sync_batchnorm) takes the same axes
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.inp, self.bn, self.out = nnx.Linear(12, 16, rngs=rngs), nnx.BatchNorm(16, rngs=rngs), \
+                nnx.Linear(16, 5, rngs=rngs)
+
+        def __call__(self, x):
+            return self.out(jnp.tanh(self.bn(self.inp(x))))
+
+    def loss_fn(model, batch):
+        return optax.softmax_cross_entropy_with_integer_labels(model(batch["x"]), batch["y"]).mean()
+
+    def trained(n, **options):
+        step = jdp.nnx.make_train_step(Net(nnx.Rngs(0)), loss_fn, optax.sgd(0.3), devices=jax.devices()[:n], **options)
+        state = step.init()
+        for batch in DATA[:3]:
+            state, _ = step(state, batch)
+        return jdp.get_params(state), jax.device_get(step.canonical(state).model_state)
+
+    (one, one_stats), (hybrid, stats) = trained(1), trained(8, shard_params=True, replicas=2)
+    assert max_abs_diff(hybrid, one) <= TOL and max_abs_diff(stats, one_stats) <= TOL
+
+
+def test_trainer_cnn_with_synchronised_batchnorm_in_replica_groups(tmp_path):
+    from jdp.config import load_config
+    from jdp.train import train
+
+    def go(n, *extra):
+        config = load_config(None, ["model.name=cnn", "model.channels=[4,8]", "model.sync_batchnorm=true",
+                                    "train.steps=2", "data.batch_size=32", *extra])
+        return train(config, str(tmp_path / str(n)), devices=jax.devices()[:n], log=lambda *_: None, progress=False)
+
+    whole, hybrid = go(2), go(8, "parallel.shard_params=true", "parallel.replicas=2")
+    assert max_abs_diff(hybrid.params, whole.params) <= 2e-6

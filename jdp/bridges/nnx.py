@@ -26,7 +26,7 @@ import optax
 from flax import nnx
 
 from jdp.bridges.task import Task
-from jdp.core.mesh import DATA_AXIS
+from jdp.core.mesh import DATA_AXIS, device_axes
 from jdp.core.state import TrainState
 from jdp.core.weighting import is_weighted
 from jdp.core.step import TrainStep, get_tree
@@ -45,7 +45,7 @@ class SplitModel:
     streams: tuple[str, ...]  # the tags of the stored rng streams
 
     @classmethod
-    def of(cls, model: nnx.Module, sync_batchnorm: bool, axis_name: str = DATA_AXIS) -> SplitModel:
+    def of(cls, model: nnx.Module, sync_batchnorm: bool, axis_name: str | tuple = DATA_AXIS) -> SplitModel:
         if not isinstance(model, nnx.Module):
             raise ValueError(f"model must be an nnx.Module, got {type(model).__name__}; for Linen, see "
                              f"jdp.linen.make_train_step.")
@@ -123,12 +123,14 @@ def make_train_step(model: nnx.Module, loss_fn: Callable, optimizer, *, sync_bat
         NOT equal to one device.
       **options: those of `jdp.make_train_step` (backend, reduction, lr_correction, devices,
         accum_steps, accum_sync, skip_nonfinite, grad_norm, mask_key, axis_name: the mesh axis
-        that jdp binds and sets as every BatchNorm's axis_name).
+        that jdp binds and sets as every BatchNorm's axis_name; with replicas > 1, both of hybrid
+        sharding's axes).
 
     Returns:
       An `NnxTrainStep`: `state = step.init(seed=0)`, `state, metrics = step(state, batch)`.
     """
-    split = SplitModel.of(model, sync_batchnorm, options.get("axis_name", DATA_AXIS))
+    split = SplitModel.of(model, sync_batchnorm, device_axes(options.get("axis_name", DATA_AXIS),
+                                                              options.get("replicas", 1)))
     _check_arity(loss_fn, 3 if needs_rng else 2, "(model, batch, rngs)" if needs_rng else "(model, batch)")
     for name in ("has_state", "needs_rng", "has_aux"):
         if name in options:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jdp.core.mesh import REPLICA_AXIS, SHARD_AXIS
+from jdp.core.mesh import device_axes
 from jdp.core.options import StepOptions
 from jdp.core.weighting import as_sums, check_scalar_loss, is_weighted
 
@@ -71,7 +71,7 @@ def call_loss(loss_fn, o: StepOptions, params, model_state, batch, key):
         out = loss_fn(params, *((model_state,) if o.has_state else ()), batch, *((key,) if o.needs_rng else ()))
     except (AssertionError, NameError, TypeError, ValueError) as e:
         # AssertionError/NameError: what jax raises for a collective over an axis it does not bind.
-        bound = (REPLICA_AXIS, SHARD_AXIS) if o.replicas > 1 else o.axis_name
+        bound = device_axes(o.axis_name, o.replicas)
         unbound = unbound_axes(e, bound) if isinstance(e, (AssertionError, NameError)) else []
         if unbound and o.replicas > 1:
             raise ValueError(f"loss_fn reduces over the mesh axis {unbound[0]!r} (a BatchNorm axis_name or a "

@@ -43,6 +43,12 @@ def make_mesh(devices: Sequence[jax.Device] | None = None, axis_name: str = DATA
     return Mesh(np.array(by_process).reshape(int(replicas), -1), (REPLICA_AXIS, SHARD_AXIS))
 
 
+def device_axes(axis_name: str = DATA_AXIS, replicas: int = 1) -> str | tuple[str, str]:
+    """What a collective over every device of a step names: `axis_name`, or with `replicas` > 1 (hybrid
+    sharding) both mesh axes, e.g. a synchronised BatchNorm's `axis_name`."""
+    return (REPLICA_AXIS, SHARD_AXIS) if replicas > 1 else axis_name
+
+
 def data_axes(mesh: Mesh) -> str | tuple[str, ...]:
     """The axis name (or, on a hybrid 2-D mesh, the tuple of names) that spans every device of `mesh`:
     what the batch is split along and what a reduction over all devices names."""

@@ -2,8 +2,9 @@
 
 BatchNorm makes the forward pass stateful: in train mode it normalises with the statistics of
 the batch it sees and updates its running averages (`nnx.BatchStat` variables). With
-`sync_batchnorm=True` every BatchNorm takes `axis_name=DATA_AXIS`, so inside `jax.shard_map` /
-`jax.pmap` over that axis its batch mean and variance are `lax.pmean`-ed over the devices: the
+`sync_batchnorm=True` every BatchNorm takes `axis_name` (default `DATA_AXIS`; hybrid sharding's two
+axes, `jdp.core.mesh.device_axes`), so inside `jax.shard_map` / `jax.pmap` over that axis its batch
+mean and variance are `lax.pmean`-ed over the devices: the
 statistics of the whole global batch, identical on every device (SyncBatchNorm).
 Without it each device normalises with its own shard's statistics, and the model the devices
 train is not the model one device would train on the global batch.
@@ -33,13 +34,13 @@ class CNN(nnx.Module):
     """
 
     def __init__(self, num_classes: int = 10, channels: Sequence[int] = (16, 32), *,
-                 sync_batchnorm: bool = False, dtype=None, rngs: nnx.Rngs):
+                 sync_batchnorm: bool = False, dtype=None, rngs: nnx.Rngs, axis_name: str | tuple = DATA_AXIS):
         if len(channels) != 2 or any(int(c) < 1 for c in channels):
             raise ValueError(f"channels={tuple(channels)} must be two positive channel counts.")
         if int(num_classes) < 1:
             raise ValueError(f"num_classes={num_classes} must be positive.")
         c1, c2 = (int(c) for c in channels)
-        axis_name = DATA_AXIS if sync_batchnorm else None
+        axis_name = axis_name if sync_batchnorm else None
         # BatchNorm with a bfloat16 `dtype` still computes its batch statistics in float32 and
         # creates its running averages (nnx.BatchStat) in float32; only the normalised output is bf16.
         kw = dict(dtype=compute_dtype(dtype), param_dtype=jnp.float32, rngs=rngs)

@@ -1,12 +1,14 @@
 """`jdp memory CONFIG`: bytes per device of a config's step in each layout, without training."""
 from __future__ import annotations
 
-from jdp.run.config import Config
+from jdp.run.config import Config, apply_overrides
 from jdp.run.tasks import build_task, train_step_for
 
-LAYOUTS = {"replicated": {"shard_optimizer_state": False, "shard_params": False},
-           "ZeRO-1": {"shard_optimizer_state": True, "shard_params": False},
-           "FSDP": {"shard_optimizer_state": True, "shard_params": True}}
+# Each layout's keys over the config's; parallel.replicas (hybrid sharding) applies to the sharded ones.
+LAYOUTS = {"replicated": ["parallel.shard_optimizer_state=false", "parallel.shard_params=false",
+                          "parallel.replicas=1"],
+           "ZeRO-1": ["parallel.shard_optimizer_state=true", "parallel.shard_params=false"],
+           "FSDP": ["parallel.shard_optimizer_state=true", "parallel.shard_params=true"]}
 
 
 def memory_table(config: Config, devices) -> list[dict]:
@@ -28,8 +30,10 @@ def memory_table(config: Config, devices) -> list[dict]:
     for name, layout in LAYOUTS.items():
         if config.parallel.backend != "shard_map" and name != "replicated":
             continue  # pmap keeps a whole copy per device
-        step = train_step_for(config, task, devices, **layout)
-        state = step.init(task.params, task.model_state, seed=config.train.seed)
+        row = apply_overrides(config, layout)
+        row_task = build_task(row) if row.model.sync_batchnorm else task  # BatchNorm's axes follow the groups
+        step = train_step_for(row, row_task, devices)
+        state = step.init(row_task.params, row_task.model_state, seed=config.train.seed)
         report = memory_report(step, state, step.micro_batches(first)[0])
         rows.append({"layout": name, "how": report.layout, "state": report.state, "peak": report.allocated})
     return rows

@@ -10,6 +10,7 @@ import optax
 from flax import nnx
 
 from jdp.bridges.task import Task
+from jdp.core.mesh import DATA_AXIS, device_axes
 from jdp.core.precision import DTYPES
 from jdp.core.step import make_train_step
 from jdp.core.weighting import Weighted
@@ -206,7 +207,9 @@ def build_task(config) -> Task:
                                test and ArrayDataset({"x": test.arrays["x"], "t": test.arrays["y"].astype(np.float32)}))
     n_classes = int(max(train.arrays["y"].max(), test.arrays["y"].max() if test else 0)) + 1
     if m.name == "cnn":
-        model = CNN(n_classes, tuple(m.channels), sync_batchnorm=m.sync_batchnorm, dtype=dtype, rngs=rngs)
+        # synchronised statistics over every device of the step: both axes of hybrid sharding's mesh
+        model = CNN(n_classes, tuple(m.channels), sync_batchnorm=m.sync_batchnorm, dtype=dtype, rngs=rngs,
+                    axis_name=device_axes(DATA_AXIS, step_replicas(config)))
     else:
         in_dim = int(np.prod(train.arrays["x"].shape[1:]))
         model = MLP([in_dim, *m.hidden, n_classes], dtype=dtype, rngs=rngs)
@@ -215,19 +218,24 @@ def build_task(config) -> Task:
     return dataclasses.replace(task, sync_batchnorm=m.name != "cnn" or m.sync_batchnorm)
 
 
-def train_step_for(config, task: Task, devices, **layout):
-    """The step `jdp train` runs for `config` (a `jdp.config.Config`) on `task`; `layout` overrides
-    shard_optimizer_state and shard_params (for `jdp memory`'s table). parallel.replicas applies to
-    the sharded layouts ("hosts": one replica group per process)."""
+def step_replicas(config) -> int:
+    """The replica groups of `config`'s step: parallel.replicas ("hosts": one per process) under a
+    sharded layout (parallel.shard_optimizer_state or shard_params), else 1."""
+    p = config.parallel
+    if not (p.shard_optimizer_state or p.shard_params):
+        return 1
+    return jax.process_count() if p.replicas == HOSTS else p.replicas
+
+
+def train_step_for(config, task: Task, devices):
+    """The step `jdp train` runs for `config` (a `jdp.config.Config`) on `task`."""
     p, t = config.parallel, config.train
-    layout = {"shard_optimizer_state": p.shard_optimizer_state, "shard_params": p.shard_params} | layout
-    sharded = layout["shard_optimizer_state"] or layout["shard_params"]
-    layout["replicas"] = (jax.process_count() if p.replicas == HOSTS else p.replicas) if sharded else 1
     return make_train_step(task.loss_fn, config.optimizer_spec(), backend=p.backend, reduction=p.reduction,
                            lr_correction=p.lr_correction, devices=devices, has_aux=True, needs_rng=True,
                            has_state=True, accum_steps=p.accum_steps, accum_sync=p.accum_sync,
                            skip_nonfinite=t.max_nonfinite > 0, precision=t.precision, reduce_dtype=p.reduce_dtype,
-                           sync_batchnorm=task.sync_batchnorm, **layout,
+                           sync_batchnorm=task.sync_batchnorm, shard_optimizer_state=p.shard_optimizer_state,
+                           shard_params=p.shard_params, replicas=step_replicas(config),
                            mask_key=MASK_KEY,  # a task's mean loss is sum(mask · l) / b on padded batches
                            # a scanned GPT gathers each layer in its scan body: the peak holds one layer
-                           gather_in_model=layout["shard_params"] and config.model.scan_layers)
+                           gather_in_model=p.shard_params and config.model.scan_layers)
