@@ -52,7 +52,7 @@ class StepOptions:
     sync_batchnorm: bool = True  # model state out of the loss must agree on every device (checked)
     shard_params: bool = False  # FSDP: 1/N of the params too; implies shard_optimizer_state
     gather_in_model: bool = False  # shard_params: the model gathers its params itself (`jdp.fsdp.gather`), per layer
-    replicas: int = 1  # hybrid sharding: the sharded state split within each of this many device groups, replicated across them
+    replicas: int = 1  # hybrid sharding: the sharded state split within each of this many device groups
 
     def __post_init__(self):
         for field, choices in (("backend", BACKENDS), ("reduction", REDUCTIONS), ("accum_sync", ACCUM_SYNCS)):
