@@ -147,6 +147,7 @@ QUICK = (
     "test_zero.py::test_config_key_and_its_refusal",
     "test_docs.py::test_every_file_the_pages_name_exists",
     "test_docs.py::test_config_reference_names_every_field_with_its_rule",
+    "test_docs.py::test_every_console_line_the_pages_quote_is_what_jdp_prints",
     "test_config_schema.py::test_cli_prints_the_schema", "test_papercuts.py::test_version_flag_prints_the_package_version",
     "test_papercuts.py::test_explain_tables_fit_80_columns_when_piped",
     "test_fsdp.py::test_params_and_optimizer_state_are_one_nth_per_device", "test_fsdp.py::test_refusals_and_config_key",
