@@ -601,6 +601,19 @@ MUTANTS = [
            "if _DUPLICATE in stderr_tail:",
            "if False:",  # a --process-id given twice gets "restart with the same command", which fails again
            ("tests/test_faults_data.py::test_the_supervisor_hides_a_cpp_abort_and_names_a_duplicated_process_id",)),
+    # A message changed in the code and not in the docs that quote it (docs/reliability.md).
+    Mutant("quoted_oom_advice_reworded", "run/records.py",
+           "lower data.eval_batch_size (now ",
+           "lower the evaluation batch size (now ",
+           ("tests/test_docs.py::test_every_console_line_the_pages_quote_is_what_jdp_prints",)),
+    Mutant("quoted_heartbeat_sentence_reworded", "run/supervisor.py",
+           "stopped responding (it may be ",
+           "stopped responding (it is ",  # "stalled rather than dead": the docs promise a doubt jdp no longer says
+           ("tests/test_docs.py::test_every_console_line_the_pages_quote_is_what_jdp_prints",)),
+    Mutant("quoted_error_loses_its_full_stop", "run/cli.py",
+           'print(f"jdp: error: {e}.", file=sys.stderr)',
+           'print(f"jdp: error: {e}", file=sys.stderr)',  # the CLI's own part of a quoted line
+           ("tests/test_docs.py::test_every_console_line_the_pages_quote_is_what_jdp_prints",)),
 ]
 
 

@@ -81,10 +81,10 @@ import pytest  # noqa: E402
 # with each correction, both accumulation modes, model state and masks, the step's guards, the seed
 # numbers, mixed precision, ZeRO-1 and FSDP, models, jdp.nnx and Linen, configs, data and its order, the
 # trainer with one resume, `jdp train` as one multi-process run, the CLI's one-sentence exits, `jdp
-# plot` in process, the docs' files and schema. The slower end-to-end runs (the CLI's train-plot-resume,
-# every trap, every case) are in the full suite. Every new check or path adds a cheap test here that a
-# one-line bug in it fails (its mutant in benchmarks/mutants.py is caught by the quick tier). An entry
-# is a file, a test, or one parametrized case of a test (`name[id]`).
+# plot` in process, the docs' files, schema and quoted console lines. The slower end-to-end runs (the
+# CLI's train-plot-resume, every trap, every case) are in the full suite. Every new check or path adds a
+# cheap test here that a one-line bug in it fails (its mutant in benchmarks/mutants.py is caught by the
+# quick tier). An entry is a file, a test, or one parametrized case of a test (`name[id]`).
 QUICK = (
     "test_seeds.py", "test_config.py", "test_data.py", "test_data_order.py", "test_drop_last_divisible.py",
     "test_faults_input.py", "test_mutants.py", "test_replicas.py",
@@ -147,6 +147,7 @@ QUICK = (
     "test_zero.py::test_config_key_and_its_refusal",
     "test_docs.py::test_every_file_the_pages_name_exists",
     "test_docs.py::test_config_reference_names_every_field_with_its_rule",
+    "test_docs.py::test_every_console_line_the_pages_quote_is_what_jdp_prints",
     "test_config_schema.py::test_cli_prints_the_schema", "test_papercuts.py::test_version_flag_prints_the_package_version",
     "test_papercuts.py::test_explain_tables_fit_80_columns_when_piped",
     "test_fsdp.py::test_params_and_optimizer_state_are_one_nth_per_device", "test_fsdp.py::test_refusals_and_config_key",

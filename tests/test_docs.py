@@ -3,7 +3,9 @@
 One fresh process per page (importing jax costs ~1 s); inside it each block runs on its own, in a
 new namespace, so a block that uses a name it does not define fails. Blocks ask for the fake
 devices they need (`jdp.cpu.use_cpu_devices(4)`); the process starts without the suite's 8.
+Every console line the pages quote is checked against what jdp prints (tests/console_quotes.py).
 """
+import difflib
 import os
 import re
 import subprocess
@@ -11,6 +13,7 @@ import sys
 
 import pytest
 
+import console_quotes
 from benchmarks.common import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -152,23 +155,32 @@ def _every_public_name_has_an_entry(out):
         assert "*args" not in signature and "dtype" in signature, signature[:300]
 
 
-NUMBER = re.compile(r"\d[\d,.]*(?:e[-+]\d+)?")
+def test_every_console_line_the_pages_quote_is_what_jdp_prints(tmp_path, monkeypatch, capsys):
+    """Each console line quoted in a page's text block or sentence (tests/console_quotes.py finds them)
+    is a line jdp prints, word for word: made in this process by the code that prints it, from the
+    values the page shows (the `jdp train` run's own lines: the test below)."""
+    quoted = [one for block in console_quotes.quotes() if not block.of_the_run
+              for one in console_quotes.one_by_one(block)]
+    assert len(quoted) >= 20 and {q.page for q in quoted} >= {"docs/reliability.md", "docs/install.md"}
+    printed = console_quotes.printed(tmp_path, monkeypatch, capsys)
+    closest = lambda q: difflib.get_close_matches(q.lines[0], printed, 1, 0)  # noqa: E731
+    wrong = [f"{q.page}:{q.line}: {q.lines[0]}\n  closest printed: {closest(q)}" for q in quoted
+             if console_quotes.missing(q, printed)]
+    assert not wrong, "\n".join(wrong)
 
 
 def test_the_console_lines_the_pages_quote_are_what_jdp_train_prints(tmp_path):
-    """Each line of the README's and the quick start's `jdp train` output blocks (numbers aside; `...`
-    stands for lines left out) is a line the command prints, on a first run and on the rerun."""
-    printed = set()
+    """Each block of `jdp train`'s output the pages quote (numbers aside; `...` stands for lines left
+    out) is lines the command prints one after the other, on a first run or on the rerun, which print
+    nothing else (stderr included); so is each part of its lines quoted in a sentence."""
+    runs = []
     for _ in range(2):  # the run, then the rerun that finds it complete
         run = subprocess.run([sys.executable, "-m", "jdp.run.cli", "train"], cwd=tmp_path, capture_output=True,
                              text=True, timeout=600, env=child_env())
-        assert run.returncode == 0, run.stderr[-2000:]
-        printed |= {NUMBER.sub("N", line.replace(str(tmp_path), "/home/you")) for line in run.stdout.splitlines()}
-    quoted = []
-    for page in ("README.md", os.path.join("docs", "quickstart.md")):
-        with open(os.path.join(ROOT, page), encoding="utf-8") as f:
-            blocks = re.findall(r"```text\n(.*?)```", f.read(), re.S)
-        quoted += [(page, line) for block in blocks if block.startswith(("mlp on digits", "resumed from"))
-                   for line in block.splitlines() if line != "..."]
-    assert len(quoted) >= 10
-    assert [q for q in quoted if NUMBER.sub("N", q[1]) not in printed] == []
+        assert run.returncode == 0 and run.stderr == "", run.stderr[-2000:]
+        runs.append(run.stdout.replace(str(tmp_path), console_quotes.HOME).splitlines())
+    quoted = [block for block in console_quotes.quotes() if block.of_the_run]
+    assert len(quoted) >= 8 and sum(len(block.lines) for block in quoted) >= 20
+    wrong = [f"{q.page}:{q.line}: not printed as quoted: {min(gaps, key=len)}" for q in quoted
+             if all(gaps := [console_quotes.missing(q, lines, masked=True) for lines in runs])]
+    assert not wrong, "\n".join(wrong) + "\n\nprinted:\n" + "\n\n".join("\n".join(r) for r in runs)

@@ -16,6 +16,7 @@ import hashlib
 import json
 import logging
 import os
+import pathlib
 import re
 import tempfile
 import weakref
@@ -159,6 +160,14 @@ def _structure(tree) -> list[tuple[str, tuple]]:
     return sorted((".".join(map(name, path)), tuple(getattr(leaf, "shape", ()))) for path, leaf in leaves)
 
 
+def _saved_tree(path: str):
+    """The array metadata of the state saved at `path` (a checkpoint's `state` item), as a tree. Read by
+    the item's handler: a Checkpointer would also look there for a step's metadata, which an item
+    has none of, and log a warning for it on the console at every resume."""
+    saved = ocp.StandardCheckpointHandler().metadata(pathlib.Path(path))
+    return saved.tree if hasattr(saved, "tree") else saved
+
+
 def _shown(structure: list[tuple[str, tuple]], most: int = 6) -> str:
     if not structure:
         return "no arrays"
@@ -249,9 +258,7 @@ class _Diagnosis:
         """The error for a readable checkpoint whose state has another structure than this step's (another
         optimizer, model or model state); None when the saved structure cannot be read or is the same."""
         try:
-            saved = ocp.StandardCheckpointer().metadata(
-                os.path.join(str(self._manager.directory), str(step_number), "state")).item_metadata
-            saved = saved.tree if hasattr(saved, "tree") else saved
+            saved = _saved_tree(os.path.join(str(self._manager.directory), str(step_number), "state"))
         except _UNREADABLE:
             return None
         if not (isinstance(saved, dict) and {"params", "opt_state"} <= saved.keys() and _structure(saved["params"])):
@@ -480,11 +487,10 @@ def latest_params(workdir: str) -> tuple[int, Any]:
         raise ValueError(f"no checkpoint in {directory!r}; run `jdp train ... --workdir {workdir}` first.")
     path, remove_alias = _glob_safe(os.path.join(directory, str(max(steps)), "state"))
     try:
-        checkpointer = ocp.StandardCheckpointer()
         one_device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])  # saved on another topology
         abstract = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one_device),
-                                checkpointer.metadata(path).item_metadata)
-        return max(steps), jax.device_get(checkpointer.restore(path, abstract)["params"])
+                                _saved_tree(path))
+        return max(steps), jax.device_get(ocp.StandardCheckpointer().restore(path, abstract)["params"])
     finally:
         if remove_alias is not None:
             remove_alias()

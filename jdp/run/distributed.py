@@ -112,14 +112,19 @@ def agree(facts: dict) -> None:
     size = int(_gather(np.array([len(blob)], np.int64)).max())  # the longest process's facts
     padded = np.zeros(size, np.uint8)
     padded[:len(blob)] = np.frombuffer(blob, np.uint8)
-    everyone = [json.loads(bytes(row).rstrip(b"\0")) for row in _gather(padded)]
+    raise ValueError(disagreement([json.loads(bytes(row).rstrip(b"\0")) for row in _gather(padded)]))
+
+
+def disagreement(everyone: list[dict]) -> str:
+    """The sentence for processes whose facts differ (`everyone`: each process's, in process order),
+    naming each differing field with every process's value."""
     diffs = sorted({k for f in everyone for k in f if f.get(k) != everyone[0].get(k)})
     if len(diffs) > 1 and "config" in diffs:  # the digest of fields named here anyway
         diffs.remove("config")
     detail = "; ".join(f"{k}: " + ", ".join(f"process {i} {f.get(k)!r}" for i, f in enumerate(everyone))
                        for k in diffs)
-    raise ValueError(f"the {len(everyone)} processes disagree about the run ({detail}); start them all with "
-                     f"the same config and data.")
+    return (f"the {len(everyone)} processes disagree about the run ({detail}); start them all with the same "
+            f"config and data.")
 
 
 def any_process(flag: bool) -> bool:

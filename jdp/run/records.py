@@ -1,5 +1,7 @@
-"""What a log step records: the training metrics, the throughput with compilation left out, and the
-stop after too many non-finite updates."""
+"""What a log step records: the training metrics and the throughput with compilation left out; and
+the sentences of a run that stops early (too many non-finite updates, an evaluation out of memory,
+a batch that cannot be read, a stop signal), built here so that the docs' quotes of them are
+checked against the same functions (tests/test_docs.py)."""
 from __future__ import annotations
 
 import time
@@ -9,6 +11,15 @@ import jax
 
 class NonFiniteError(RuntimeError):
     """Training stopped: too many consecutive updates had non-finite gradients."""
+
+
+class DataStoppedError(RuntimeError):
+    """Training stopped: a batch could not be read (a data file changed under the run, a token id out of
+    range found late, an I/O error); the steps trained before it are checkpointed (one process)."""
+
+
+class EvaluationOutOfMemoryError(RuntimeError):
+    """An evaluation ran out of memory; the step it followed is recorded (and checkpointed, one process)."""
 
 
 class Throughput:
@@ -40,6 +51,31 @@ def check_finite(s: int, m: dict, max_nonfinite: int) -> None:
         raise NonFiniteError(f"training stopped at step {s}: the last {int(m['skip_streak'])} updates had "
                              f"non-finite gradients (train.max_nonfinite={max_nonfinite}); the newest checkpoint "
                              f"is from before them.")
+
+
+def evaluation_out_of_memory(s: int, error: BaseException, eval_batch_size: int) -> EvaluationOutOfMemoryError:
+    """The error for the evaluation after step `s`, which ran out of memory with `error` (XLA's
+    RESOURCE_EXHAUSTED, or the host's MemoryError)."""
+    reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+    return EvaluationOutOfMemoryError(
+        f"the evaluation after step {s} ran out of memory ({reason}); lower data.eval_batch_size (now "
+        f"{eval_batch_size}) and rerun the same command, which resumes from the newest checkpoint")
+
+
+def unreadable_batch(s: int, failure: Exception, saved: int | None) -> DataStoppedError:
+    """The error for step `s`, whose batch could not be read (`failure`: the source's ValueError or
+    OSError); `saved`: the step of the newest checkpoint, None if there is none."""
+    trained = s - 1
+    kept = (f"the {trained} steps before it are saved in checkpoint {trained}" if saved == trained else
+            f"the newest checkpoint is step {saved}" if saved else "no checkpoint was saved")
+    reason = str(failure).rstrip(".") if isinstance(failure, ValueError) else f"{type(failure).__name__}: {failure}"
+    return DataStoppedError(f"training stopped before step {s}, whose batch could not be read: {reason}; {kept}")
+
+
+def stopping_line(s, signal: str | None) -> str:
+    """The line a run stopped by `signal` logs once the checkpoint of step `s` is on disk."""
+    return (f"stopping at step {s} on {signal or 'a peer process signal'}; checkpoint saved, rerun the same "
+            f"command to resume.")
 
 
 def train_record(m: dict, state, *, lr: float, samples: int, steps_per_s: float, flops_per_step: float | None,

@@ -84,6 +84,11 @@ def abnormal_end(process_id, code: int, stderr_tail: str, heartbeat_s: int, *, n
             f"command to resume.")
 
 
+def error_line(why: str, log: str | None) -> str:
+    """The console line for an abnormal end: `why` (`abnormal_end`) and the runtime's log kept, if any."""
+    return f"jdp: error: {why[:-1]}; the runtime's log is in {log!r}." if log else f"jdp: error: {why}"
+
+
 def signal_name(code: int) -> str:
     return signal.Signals(-code).name if code < 0 else f"exit code {code}"
 
@@ -129,10 +134,9 @@ def supervise(argv: list[str], process_id, heartbeat_s: int = 10, *, workdir: st
         why = abnormal_end(process_id, code, "".join(relay.tail), heartbeat_s, num_processes=num_processes,
                            init_timeout=init_timeout)
         kept = _keep_log(workdir, process_id, relay.hidden) if relay.hidden else None
-        print(f"jdp: error: {why[:-1]}; the runtime's log is in {kept!r}." if kept else f"jdp: error: {why}",
-              file=sys.stderr)
+        print(error_line(why, kept), file=sys.stderr)
         return 1
     return code
 
 
-__all__ = ["SUPERVISED", "abnormal_end", "signal_name", "supervise", "unresponsive_peers"]
+__all__ = ["SUPERVISED", "abnormal_end", "error_line", "signal_name", "supervise", "unresponsive_peers"]

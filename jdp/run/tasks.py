@@ -154,6 +154,14 @@ def compute_dtype(config):
     return None if config.train.precision == "float32" else DTYPES[config.train.precision]
 
 
+def token_files(config) -> tuple:
+    """(training, held-out or None) windows of a `data.name: tokens` config's files, as `build_task` reads them."""
+    m, d = config.model, config.data
+    train = D.load_tokens(d.path, context_length=m.context, dtype=d.dtype, vocab_size=d.vocab_size)
+    test = d.val_path and D.load_tokens(d.val_path, context_length=m.context, dtype=d.dtype, vocab_size=d.vocab_size)
+    return train, test or None
+
+
 def build_task(config) -> Task:
     """The task a `jdp.config.Config` describes (model × dataset), initialised from train.seed.
 
@@ -176,14 +184,11 @@ def build_task(config) -> Task:
                     scan_layers=m.scan_layers, rngs=rngs)
         return _language_model(functional(model), f"char GPT ({corpus.vocab_size} symbols)", train, test)
     if d.name == "tokens":
-        train = D.load_tokens(d.path, context_length=m.context, dtype=d.dtype, vocab_size=d.vocab_size)
-        test = d.val_path and D.load_tokens(d.val_path, context_length=m.context, dtype=d.dtype,
-                                            vocab_size=d.vocab_size)
+        train, test = token_files(config)
         model = GPT(d.vocab_size, m.context, d_model=m.d_model, n_heads=m.n_heads, n_layers=m.n_layers,
                     dropout=m.dropout, dtype=dtype, attention=m.attention, remat=m.remat,
                     scan_layers=m.scan_layers, rngs=rngs)
-        return _language_model(functional(model), f"GPT on tokens {quoted(d.path)} ({d.vocab_size} ids)", train,
-                               test or None)
+        return _language_model(functional(model), f"GPT on tokens {quoted(d.path)} ({d.vocab_size} ids)", train, test)
     if d.name == "digits":
         x, y, xt, yt = D.load_digits(d.test_fraction, images=m.name == "cnn")
         train, test = ArrayDataset({"x": x, "y": y}), ArrayDataset({"x": xt, "y": yt})

@@ -22,7 +22,8 @@ from jdp.run.facts import RunFacts, itstime
 from jdp.run.lock import locked_workdir
 from jdp.run.metrics import MetricsWriter, load_metrics, peak_flops, plot_metrics, step_flops
 from jdp.run.profile import StepProfile, parse_steps
-from jdp.run.records import NonFiniteError, Throughput, check_finite, train_record
+from jdp.run.records import (DataStoppedError, EvaluationOutOfMemoryError, NonFiniteError, Throughput, check_finite,
+                              evaluation_out_of_memory, stopping_line, train_record, unreadable_batch)
 from jdp.run.tasks import build_task, train_step_for
 from jdp.run.workfiles import refuse_symlink
 
@@ -44,15 +45,6 @@ class TrainResult:
     seconds: float  # wall time of this run's loop, compilation included
     params: object  # host numpy params
     stopped_by: str | None = None  # the signal that stopped it early ("SIGINT", "SIGTERM"), if one did
-
-
-class DataStoppedError(RuntimeError):
-    """Training stopped: a batch could not be read (a data file changed under the run, a token id out of
-    range found late, an I/O error); the steps trained before it are checkpointed (one process)."""
-
-
-class EvaluationOutOfMemoryError(RuntimeError):
-    """An evaluation ran out of memory; the step it followed is recorded (and checkpointed, one process)."""
 
 
 class StopSignals:
@@ -247,8 +239,7 @@ class _Loop:
                     self.writer.write({"step": s} | {f"eval_{k}": v for k, v in self.eval_metrics.items()})
             if stop:
                 self.signals.checkpointed = True  # save(wait=True) above: it is on disk
-                self.writer.log(f"stopping at step {s} on {self.signals.requested or 'a peer process signal'}; "
-                                f"checkpoint saved, rerun the same command to resume.")
+                self.writer.log(stopping_line(s, self.signals.requested))
                 self.preempted = True
                 return state, s
         return state, end
@@ -271,10 +262,7 @@ class _Loop:
         except (MemoryError, RuntimeError) as e:  # XLA's out-of-memory is a JaxRuntimeError, a RuntimeError
             if not isinstance(e, MemoryError) and "RESOURCE_EXHAUSTED" not in str(e):
                 raise
-            reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-            raise EvaluationOutOfMemoryError(
-                f"the evaluation after step {s} ran out of memory ({reason}); lower data.eval_batch_size (now "
-                f"{size}) and rerun the same command, which resumes from the newest checkpoint") from e
+            raise evaluation_out_of_memory(s, e, size) from e
 
     def save(self, s: int, state, *, wait: bool) -> None:
         """Checkpoint step `s`; with `wait`, return only once it is complete on disk."""
@@ -293,11 +281,7 @@ class _Loop:
         trained = s - 1
         if trained and self.saved != trained and jax.process_count() == 1:
             self.save(trained, state, wait=True)
-        kept = (f"the {trained} steps before it are saved in checkpoint {trained}" if self.saved == trained else
-                f"the newest checkpoint is step {self.saved}" if self.saved else "no checkpoint was saved")
-        reason = str(failure).rstrip(".") if isinstance(failure, ValueError) else f"{type(failure).__name__}: {failure}"
-        raise DataStoppedError(f"training stopped before step {s}, whose batch could not be read: {reason}; "
-                               f"{kept}") from failure
+        raise unreadable_batch(s, failure, self.saved) from failure
 
     @contextlib.contextmanager
     def saved_on_failure(self, s: int, state):
