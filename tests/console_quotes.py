@@ -48,6 +48,9 @@ RUN_INLINE = (
     ("docs/quickstart.md", "global batch 128 = 1 accumulation step × 4 devices × 32 examples per device"),
     ("docs/quickstart.md", "reduction mean"),
 )
+# Output blocks of example scripts (page, first line): tests/test_examples.py runs the script and
+# compares its whole output with the block.
+EXAMPLE_OUTPUTS = (("docs/fsdp.md", "nnx: equal to one device; gathered per layer"),)
 HOME = "/home/you"  # the pages' working directory; a run's own one stands for it
 NUMBER = re.compile(r"\d[\d,.]*(?:e[-+]\d+)?")
 
@@ -123,7 +126,14 @@ def inline(page: str) -> list[Block]:
 
 
 def quotes() -> list[Block]:
-    return [b for page in pages() for b in (*blocks(page), *inline(page))]
+    """Every quote of jdp's console output in the pages, example scripts' output blocks left out (their
+    own tests check those); pytest.fail if a listed example block is gone."""
+    found = [b for page in pages() for b in (*blocks(page), *inline(page))]
+    for page, first in EXAMPLE_OUTPUTS:
+        if not any(b.page == page and b.lines[0].startswith(first) for b in found):
+            pytest.fail(f"{page} no longer holds the example output starting {first!r}: update EXAMPLE_OUTPUTS")
+    return [b for b in found if not any(b.page == page and b.lines[0].startswith(first)
+                                        for page, first in EXAMPLE_OUTPUTS)]
 
 
 def pattern(quote: str, masked: bool = False) -> re.Pattern:
