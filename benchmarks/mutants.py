@@ -502,9 +502,13 @@ MUTANTS = [
            "import jax  # noqa\nfrom jdp.text import quoted  #",  # jdp --version costs jax's import again
            ("tests/test_cli_edges.py::test_the_command_and_import_jdp_do_not_import_jax",)),
     Mutant("ctrl_c_left_to_keyboardinterrupt", "run/exits.py",
-           "previous = signal.signal(signal.SIGINT, _interrupted)",
-           "previous = None",  # swallowed in jax's gc callback ("Exception ignored"), the run goes on
+           "return signal.signal(signal.SIGINT, _interrupted)",
+           "return None",  # swallowed in jax's gc callback ("Exception ignored"), the run goes on
            ("tests/test_cli_edges.py::test_ctrl_c_at_start_up_prints_one_line_and_exits_130",)),
+    Mutant("ctrl_c_handler_after_the_command_line_imports", "run/entry.py",
+           "    quiet_interrupts()\n    from jdp.run.cli import main as run",
+           "    from jdp.run.cli import main as run\n    quiet_interrupts()",  # a Ctrl-C while argparse loads: a traceback
+           ("tests/test_cli_edges.py::test_ctrl_c_from_jdps_first_line_prints_one_line_and_exits_130",)),
     Mutant("closed_pipe_traceback", "run/exits.py",
            "    except BrokenPipeError:\n        _quiet_closed_stdout()\n        return CLOSED_PIPE\n",
            "",  # `jdp config schema | head -1` ends in a BrokenPipeError traceback
