@@ -21,8 +21,9 @@ d ms after it starts (after its exec) it is sent SIGINT. Each outcome is counted
 
 Below each table, the tracebacks by where they were raised: Python's start-up, or the `jdp`
 script's line (pip writes it: line 3 `import re`, 5 `from jdp.run.entry import main`, 7 `re.sub`
-of argv[0], 8 `sys.exit(main())`) and jdp's innermost module, if any. `--entry MODULE` runs a copy of the script that imports `main` from
-MODULE instead (`jdp.run.cli`: the entry point before the handler moved to `jdp.run.entry`).
+of argv[0], 8 `sys.exit(main())`) and jdp's innermost module, if any. `--entry MODULE` runs a
+copy of the script that imports `main` from MODULE instead (`jdp.run.cli`: the entry point before
+the handler moved to `jdp.run.entry`).
 
 The commands run without PYTHONDONTWRITEBYTECODE, as a user's do: jdp's modules load from their
 cached bytecode (a wheel install writes it; an editable install on first use). The delays are
@@ -104,7 +105,8 @@ def interrupt_after(argv: list[str], delay_ms: float, env: dict, timeout_s: floa
 
 def start_up_seconds(runs: int, env: dict) -> dict[str, float]:
     """Median wall seconds of the interpreter's start-up alone, with and without site, and the script's first line."""
-    argvs = {"python -S -c pass": [sys.executable, "-S", "-c", "pass"], "python -c pass": [sys.executable, "-c", "pass"],
+    argvs = {"python -S -c pass": [sys.executable, "-S", "-c", "pass"],
+             "python -c pass": [sys.executable, "-c", "pass"],
              "python -c 'import re, sys'": [sys.executable, "-c", "import re, sys"]}
     times = collections.defaultdict(list)
     for _ in range(runs):
