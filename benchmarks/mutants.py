@@ -517,6 +517,18 @@ MUTANTS = [
            'return INTERRUPTED if result.stopped_by == "SIGINT" else 0',
            "return 0",  # a Ctrl-C'd run would read as finished to a shell or a script
            ("tests/test_multiprocess.py::test_sigint_on_a_single_process_run_checkpoints_and_exits_130",)),
+    Mutant("steps_keep_a_warmup_that_outlasts_them", "run/config.py",
+           "if not schedule_uses_steps(written) or warmup < steps:",
+           "if True:",  # `jdp train char_gpt --steps 20` is refused again: 40 warmup steps of a 20-step cosine
+           ("tests/test_config.py::test_steps_shorter_than_the_warmup_keep_its_fraction_and_a_set_warmup_wins",)),
+    Mutant("steps_scale_a_warmup_set_on_the_command_line", "run/config.py",
+           'if any(parse_override(text, _check_key)[:2] == ("optim", "warmup_steps") for text in overrides):',
+           "if False:",  # --set optim.warmup_steps=40 --steps 20 would quietly train with 2
+           ("tests/test_config.py::test_steps_shorter_than_the_warmup_keep_its_fraction_and_a_set_warmup_wins",)),
+    Mutant("scaled_warmup_not_said", "run/cli.py",
+           "        print(scaled)\n",
+           "        pass\n",  # the run's warmup changes without a word
+           ("tests/test_feedback.py::test_steps_shorter_than_the_warmup_run_with_its_fraction_and_resume_as_they_ran",)),
     Mutant("shipped_config_not_found_by_name", "run/shipped.py",
            'return os.path.join(CONFIG_DIR, name + ".yaml")',
            "return arg",  # `jdp train char_gpt` outside a checkout: no such file
