@@ -2,8 +2,9 @@
 
   python -m benchmarks.cli_startup [--runs 10]
 
-Each command runs `--runs` times after one warm-up; it prints the median and the range of the wall
-times, and, as a yardstick measured in the same rounds, `python -c "import jax"`. Neither command
+The commands are the installed `jdp` script (pip's wrapper of the entry point, `jdp.run.entry:main`),
+as a user runs them. Each runs `--runs` times after one warm-up; it prints the median and the
+range of the wall times, and, as a yardstick measured in the same rounds, `python -c "import jax"`. Neither command
 imports jax (`tests/test_cli_edges.py` asserts it), so both should stay far below that yardstick.
 """
 from __future__ import annotations

@@ -526,9 +526,13 @@ MUTANTS = [
            "import jax  # noqa\nfrom jdp.text import quoted  #",  # jdp --version costs jax's import again
            ("tests/test_cli_edges.py::test_the_command_and_import_jdp_do_not_import_jax",)),
     Mutant("ctrl_c_left_to_keyboardinterrupt", "run/exits.py",
-           "previous = signal.signal(signal.SIGINT, _interrupted)",
-           "previous = None",  # swallowed in jax's gc callback ("Exception ignored"), the run goes on
+           "return signal.signal(signal.SIGINT, _interrupted)",
+           "return None",  # swallowed in jax's gc callback ("Exception ignored"), the run goes on
            ("tests/test_cli_edges.py::test_ctrl_c_at_start_up_prints_one_line_and_exits_130",)),
+    Mutant("ctrl_c_handler_after_the_command_line_imports", "run/entry.py",
+           "    quiet_interrupts()\n    from jdp.run.cli import main as run",
+           "    from jdp.run.cli import main as run\n    quiet_interrupts()",  # a Ctrl-C while argparse loads: a traceback
+           ("tests/test_cli_edges.py::test_ctrl_c_from_jdps_first_line_prints_one_line_and_exits_130",)),
     Mutant("closed_pipe_traceback", "run/exits.py",
            "    except BrokenPipeError:\n        _quiet_closed_stdout()\n        return CLOSED_PIPE\n",
            "",  # `jdp config schema | head -1` ends in a BrokenPipeError traceback
@@ -537,6 +541,18 @@ MUTANTS = [
            'return INTERRUPTED if result.stopped_by == "SIGINT" else 0',
            "return 0",  # a Ctrl-C'd run would read as finished to a shell or a script
            ("tests/test_multiprocess.py::test_sigint_on_a_single_process_run_checkpoints_and_exits_130",)),
+    Mutant("steps_keep_a_warmup_that_outlasts_them", "run/config.py",
+           "if not schedule_uses_steps(written) or warmup < steps:",
+           "if True:",  # `jdp train char_gpt --steps 20` is refused again: 40 warmup steps of a 20-step cosine
+           ("tests/test_config.py::test_steps_shorter_than_the_warmup_keep_its_fraction_and_a_set_warmup_wins",)),
+    Mutant("steps_scale_a_warmup_set_on_the_command_line", "run/config.py",
+           'if any(parse_override(text, _check_key)[:2] == ("optim", "warmup_steps") for text in overrides):',
+           "if False:",  # --set optim.warmup_steps=40 --steps 20 would quietly train with 2
+           ("tests/test_config.py::test_steps_shorter_than_the_warmup_keep_its_fraction_and_a_set_warmup_wins",)),
+    Mutant("scaled_warmup_not_said", "run/cli.py",
+           "        print(scaled)\n",
+           "        pass\n",  # the run's warmup changes without a word
+           ("tests/test_feedback.py::test_steps_shorter_than_the_warmup_run_with_its_fraction_and_resume_as_they_ran",)),
     Mutant("shipped_config_not_found_by_name", "run/shipped.py",
            'return os.path.join(CONFIG_DIR, name + ".yaml")',
            "return arg",  # `jdp train char_gpt` outside a checkout: no such file

@@ -172,6 +172,8 @@ QUICK = (
     "test_workdir_files.py::test_a_checkpoint_is_proven_jdps_only_without_following_a_link",
     "test_faults_checkpoint.py::test_fallback_resumes_from_the_newest_intact_checkpoint",
     "test_faults_api.py::test_a_nonfinite_model_state_is_never_saved",
+    # `jdp train CONFIG --steps N` shorter than the config's warmup: scaled, said in one line, resumable.
+    "test_feedback.py::test_steps_shorter_than_the_warmup_run_with_its_fraction_and_resume_as_they_ran",
 )
 
 

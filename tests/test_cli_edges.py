@@ -1,11 +1,13 @@
-"""The `jdp` command's edges: it starts without jax, Ctrl-C ends it in one line with exit code 130,
-and a reader that closes the pipe ends it quietly."""
+"""The `jdp` command's edges: it starts without jax, Ctrl-C ends it in one line with exit code 130
+from the first line of jdp's code it runs, and a reader that closes the pipe ends it quietly."""
 import os
 import signal
 import subprocess
 import sys
 import time
+import tomllib
 
+import jdp
 from benchmarks.common import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -45,3 +47,60 @@ def test_ctrl_c_at_start_up_prints_one_line_and_exits_130(tmp_path):
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
     assert (proc.returncode, err, out) == (130, INTERRUPTED, ""), err[-1500:]
+
+
+# Run first in a `jdp` script: SIGINT to itself as the named module starts importing (or, for
+# "atexit", while the interpreter shuts down after main() returned), at the same point every run.
+SIGINT_AT = """import atexit, os, signal, sys
+class SigintAt:
+    def find_spec(self, name, path=None, target=None):
+        if name == {0!r}:
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+sys.meta_path.insert(0, SigintAt())
+if {0!r} == "atexit":
+    atexit.register(os.kill, os.getpid(), signal.SIGINT)
+"""
+
+
+def _jdp_script(folder, sigint_at: str) -> str:
+    """The script pip writes for pyproject's `jdp` entry point, in `folder`, with SIGINT_AT run first."""
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        module, function = tomllib.load(f)["project"]["scripts"]["jdp"].split(":")
+    path = os.path.join(folder, "jdp")
+    with open(path, "w") as f:
+        f.write(SIGINT_AT.format(sigint_at) + f"import re\nimport sys\nfrom {module} import {function}\n"
+                "if __name__ == '__main__':\n"
+                "    sys.argv[0] = re.sub(r'(-script\\.pyw|\\.exe)?$', '', sys.argv[0])\n"
+                f"    sys.exit({function}())\n")
+    return path
+
+
+def test_ctrl_c_from_jdps_first_line_prints_one_line_and_exits_130(tmp_path):
+    """The `jdp` script's entry point installs the SIGINT handler before it imports the command
+    line: a Ctrl-C while argparse, subprocess (the supervisor) or the command's modules are
+    imported, or once main() has returned, ends in one line and 130, where it printed Python's
+    KeyboardInterrupt traceback, or was "ignored" inside the import system while the run trained
+    on. Before jdp's first line (here: while `jdp` itself is found) Python's own traceback is
+    still what a Ctrl-C prints: the limit the docs state."""
+    work = str(tmp_path / "w")
+    cases = [("jdp.run.cli", ["--version"], ""), ("argparse", ["train", "--help"], ""),
+             ("subprocess", ["--version"], ""), ("jax", ["train", "--workdir", work, "--steps", "5"], ""),
+             ("atexit", ["--version"], f"jdp {jdp.__version__}\n")]
+    for at, args, stdout in cases:
+        out = subprocess.run([sys.executable, _jdp_script(tmp_path, at), *args], capture_output=True, text=True,
+                             env=ENV, cwd=tmp_path, timeout=120)
+        assert (out.returncode, out.stderr, out.stdout) == (130, INTERRUPTED, stdout), (at, out.stderr[-1500:])
+    assert not os.path.exists(work)
+    out = subprocess.run([sys.executable, _jdp_script(tmp_path, "jdp"), "--version"], capture_output=True, text=True,
+                         env=ENV, cwd=tmp_path, timeout=120)
+    assert out.returncode == -signal.SIGINT and out.stderr.endswith("\nKeyboardInterrupt\n"), out.stderr[-1500:]
+
+
+def test_import_jdp_leaves_ctrl_c_to_python():
+    """Code that imports jdp (the entry point's module included) keeps Python's KeyboardInterrupt:
+    only the `jdp` command's main() installs its handler."""
+    code = ("import signal, jdp, jdp.run.entry, jdp.run.cli; "
+            "print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, cwd=ROOT, check=True)
+    assert out.stdout == "True\n", out.stderr

@@ -17,6 +17,7 @@ from jdp.config import (HASH_EXCLUDED, SECTIONS, Config, ConfigError, DataConfig
                         apply_overrides, config_from_dict, config_hash, field_docs, load_config, run_identity,
                         validate)
 from jdp.data import load_seed_regression
+from jdp.run.config import steps_override
 from jdp.core.optim import for_reduction
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -444,3 +445,27 @@ def test_config_hash_is_stable_across_processes_and_key_order(tmp_path):
     out = subprocess.run([sys.executable, "-c", code, a], capture_output=True, text=True, env=env, cwd=ROOT,
                          check=True)
     assert out.stdout.strip() == here
+
+
+def test_steps_shorter_than_the_warmup_keep_its_fraction_and_a_set_warmup_wins():
+    """`jdp train char_gpt --steps 20`: its cosine decays to 0 at step 20, before its 40 warmup
+    steps end, which the optimizer refuses; the run keeps the config's fraction (40 of 400 -> 2 of 20)
+    and says so. Nothing else changes: a --steps the warmup fits, a constant schedule, or an
+    optim.warmup_steps the user set, even one that is then refused."""
+    path = os.path.join(ROOT, "jdp", "configs", "char_gpt.yaml")
+    overrides, line = steps_override(path, [], 20)
+    assert overrides == ["train.steps=20", "optim.warmup_steps=2"]
+    assert line == "optim.warmup_steps 40 -> 2: --steps 20 keeps the config's warmup fraction (40 of 400 steps)"
+    identity = run_identity(load_config(path, overrides))  # the run's own config: a resume must match it
+    assert (identity["optim"]["warmup_steps"], identity["train"]["steps"]) == (2, 20)
+    assert steps_override(path, [], 40)[0] == ["train.steps=40", "optim.warmup_steps=4"]  # 40 is not shorter than 40
+    assert steps_override(path, [], 1)[0] == ["train.steps=1", "optim.warmup_steps=0"]
+    assert steps_override(path, ["train.steps=300"], 20)[0] == ["train.steps=20", "optim.warmup_steps=3"]  # 2.67
+    assert steps_override(path, ["train.steps=40"], 20)[0] == ["train.steps=20", "optim.warmup_steps=19"]
+    for sets, steps in (([], 41), (["optim.schedule=constant"], 20), (["optim.warmup_steps=40"], 20),
+                        ([" optim.warmup_steps = 40"], 20)):
+        assert steps_override(path, sets, steps) == ([f"train.steps={steps}"], None), (sets, steps)
+    with pytest.raises(ConfigError, match=exactly(
+            "optim.warmup_steps: warmup_steps=40 must be less than decay_steps=20, since schedule='cosine' decays "
+            "to 0 at decay_steps.")):
+        load_config(path, ["optim.warmup_steps=40", "train.steps=20"])

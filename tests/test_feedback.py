@@ -126,6 +126,25 @@ def test_more_steps_extend_a_finished_run_with_a_constant_schedule(tmp_path, cap
     assert _snapshot(short) == before
 
 
+def test_steps_shorter_than_the_warmup_run_with_its_fraction_and_resume_as_they_ran(tmp_path, capsys):
+    """`--steps` shorter than the config's warmup (10 of 40 steps, cosine): the run takes 1 of 4,
+    says so in one line, and the same command again finds the run complete; an optim.warmup_steps
+    set on the command line is taken as it is (here: refused)."""
+    config = tmp_path / "c.yaml"
+    with open(SEED_CONFIG) as f:
+        config.write_text(f.read().replace("  lr: 0.1\n", "  lr: 0.1\n  schedule: cosine\n  warmup_steps: 10\n")
+                          .replace("  steps: 1\n", "  steps: 40\n"))
+    base = ["train", str(config), "--no-progress", "--steps", "4", "--workdir", str(tmp_path / "w")]
+    assert jdp.run.cli.main(base) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("optim.warmup_steps 10 -> 1: --steps 4 keeps the config's warmup fraction (10 of 40 "
+                          "steps)\n") and "done at step 4 of 4" in out, out
+    assert jdp.run.cli.main(base) == 0  # the identity holds the scaled warmup: the same command matches it
+    assert "the run is complete (4 of 4 steps, trained earlier)" in capsys.readouterr().out
+    assert jdp.run.cli.main([*base, "--set", "optim.warmup_steps=10"]) == 2  # the user's own value: never scaled
+    assert "warmup_steps=10 must be less than decay_steps=4" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("schedule", ["cosine", "linear"])
 def test_changing_steps_is_refused_where_the_schedule_uses_them(tmp_path, capsys, schedule):
     work = str(tmp_path / "w")

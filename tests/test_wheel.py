@@ -75,9 +75,11 @@ def test_the_commands_work_from_another_directory(installed):
     assert "char_gpt: " in listing and "expected: held-out character accuracy" in listing
     out = _run([jdp, "train", "--no-progress"], cwd=work, env=env)  # the default: the digits MLP, 300 steps
     assert "done at step 300 of 300" in out and "held-out accuracy 0.9" in out, out
-    # 20 of the config's 400 steps (`--steps 20` is refused: its 40 warmup steps would outlast the schedule)
-    out = _run([jdp, "train", "char_gpt", "--stop-after", "20", "--no-progress"], cwd=work, env=env)
-    assert "stopped at step 20 of 400" in out and "workdir runs/char_gpt" in out, out
+    # A 20-step run of a 400-step config: its 40 warmup steps become 2, said in one line
+    out = _run([jdp, "train", "char_gpt", "--steps", "20", "--no-progress"], cwd=work, env=env)
+    assert out.startswith("optim.warmup_steps 40 -> 2: --steps 20 keeps the config's warmup fraction (40 of 400 "
+                          "steps)\n"), out
+    assert "done at step 20 of 20" in out and "workdir runs/char_gpt" in out, out
     out = _run([jdp, "data", "prepare-tokens", "python-reference", "tokens"], cwd=work, env=env)
     assert "train.bin: " in out and (work / "tokens" / "val.bin").stat().st_size > 0
     out = _run([jdp, "plot", "runs/digits_mlp"], cwd=work, env=env)

@@ -67,8 +67,10 @@ def _add_train_parser(sub) -> None:
     train.add_argument("--workdir", help="run directory (default: runs/<config name>)")
     train.add_argument("--devices", type=_positive_int, help="number of devices; on a CPU-only machine, fake CPU "
                        "devices (default: the config's parallel.devices, else 4 on CPU, all accelerators otherwise)")
-    train.add_argument("--steps", type=_positive_int, help="total optimizer steps (train.steps); also lets a config "
-                       "with train.accelerator_only run on CPUs")
+    train.add_argument("--steps", type=_positive_int, help="total optimizer steps (train.steps); where a cosine or "
+                       "linear schedule's warmup would not be shorter, it keeps the config's warmup fraction, said in "
+                       "one line (--set optim.warmup_steps=W sets it instead); also lets a config with "
+                       "train.accelerator_only run on CPUs")
     train.add_argument("--log-every", type=_positive_int, help="log every K steps (train.log_every)")
     train.add_argument("--checkpoint-every", type=_positive_int, help="checkpoint every K steps (train.checkpoint_every)")
     train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -243,15 +245,21 @@ def cmd_train(args) -> int:
 def _train_config_and_devices(args) -> tuple:
     """`jdp train`'s config (file, --set and the flags) and devices: this process's own, or every
     process's once jax.distributed is initialised (--coordinator, --auto-distributed)."""
-    from jdp.run.config import load_config
+    from jdp.run.config import load_config, steps_override
     from jdp.run.shipped import resolve_config
 
     distributed = args.coordinator is not None or args.auto_distributed
-    flags = {"parallel.devices": None if distributed else args.devices, "train.steps": args.steps,
+    flags = {"parallel.devices": None if distributed else args.devices,
              "train.log_every": args.log_every, "train.checkpoint_every": args.checkpoint_every,
              "train.profile_steps": None if args.profile_steps is None else repr(args.profile_steps)}
     overrides = [*args.set, *(f"{k}={v}" for k, v in flags.items() if v is not None)]
-    config = load_config(resolve_config(args.config), overrides)  # a bad config fails before any device is set up
+    path, scaled = resolve_config(args.config), None
+    if args.steps is not None:  # a short run of a config whose warmup outlasts it keeps its warmup fraction
+        added, scaled = steps_override(path, args.set, args.steps)
+        overrides += added
+    config = load_config(path, overrides)  # a bad config fails before any device is set up
+    if scaled and not args.process_id:  # one line, from process 0 (or the only one)
+        print(scaled)
     if not distributed:
         if args.num_processes or args.process_id is not None:
             raise ValueError("--num-processes and --process-id need --coordinator HOST:PORT.")

@@ -113,6 +113,11 @@ def config_from_dict(data: Mapping | None, *, source: str = "the config") -> Con
     Checks every key and value and the combinations that do not need the device count
     (`validate(config, None)`). `source` names the data in the message when it is not a mapping.
     """
+    return validate(_config_as_written(data, source), None)
+
+
+def _config_as_written(data: Mapping | None, source: str) -> Config:
+    """`config_from_dict` without `validate`: every key and value checked, not their combinations."""
     if data is None:
         data = {}
     if not isinstance(data, Mapping):
@@ -128,7 +133,7 @@ def config_from_dict(data: Mapping | None, *, source: str = "the config") -> Con
         for key in values:
             _check_key(name, key)
         sections[name] = SECTIONS[name](**values)
-    return validate(Config(**sections), None)
+    return Config(**sections)
 
 
 def _apply_overrides(data: dict, overrides: Iterable[str]) -> dict:
@@ -155,12 +160,41 @@ def load_config(path: str | os.PathLike | None, overrides: Iterable[str] | None 
     value of the wrong type or range, or an impossible combination; `validate(config, num_devices)`
     adds the device-count checks once the devices are set up.
     """
+    data, source = _read_with_overrides(path, overrides)
+    return config_from_dict(data, source=source)
+
+
+def _read_with_overrides(path, overrides) -> tuple[dict, str]:
+    """The data of the YAML file `path` (None: none) with `overrides` applied, and its name for messages."""
     data = {} if path is None else read_yaml(os.fspath(path))
     source = "the config" if path is None else shorten(os.fspath(path))
     if data is not None and not isinstance(data, Mapping):
         raise ConfigError(f"{source} must hold a mapping of sections ({', '.join(SECTIONS)}), "
                           f"got {type(data).__name__}.")
-    return config_from_dict(_apply_overrides(dict(data or {}), overrides or ()), source=source)
+    return _apply_overrides(dict(data or {}), overrides or ()), source
+
+
+def steps_override(path, overrides: Iterable[str], steps: int) -> tuple[list[str], str | None]:
+    """What `jdp train --steps STEPS` adds to `overrides` (its `--set`s) for the config file `path`
+    (None: the defaults): `train.steps=STEPS`, and, where the config's optim.warmup_steps is not
+    shorter than STEPS under a schedule that decays to 0 at train.steps (which the optimizer's rule
+    refuses), the warmup scaled to keep its fraction of the config's train.steps,
+    max(0, min(STEPS - 1, round(warmup_steps × STEPS / train.steps))): 40 of 400 steps become 2 of
+    20. Returns the overrides and the line that says what was scaled (None if nothing was). An
+    optim.warmup_steps in `overrides` is the user's own and is never scaled.
+    """
+    overrides = list(overrides)
+    added = [f"train.steps={steps}"]
+    if any(parse_override(text, _check_key)[:2] == ("optim", "warmup_steps") for text in overrides):
+        return added, None
+    written = _config_as_written(*_read_with_overrides(path, overrides))
+    warmup, config_steps = written.optim.warmup_steps, written.train.steps
+    if not schedule_uses_steps(written) or warmup < steps:
+        return added, None
+    scaled = max(0, min(steps - 1, round(warmup * steps / config_steps)))
+    return [*added, f"optim.warmup_steps={scaled}"], (
+        f"optim.warmup_steps {warmup} -> {scaled}: --steps {steps} keeps the config's warmup fraction "
+        f"({warmup} of {config_steps} steps)")
 
 
 def apply_overrides(config: Config, overrides: Iterable[str]) -> Config:
@@ -309,4 +343,4 @@ def config_hash(config: Config) -> str:
 __all__ = ["ADDED_DEFAULTS", "ATTENTIONS", "Config", "ConfigError", "DATASETS", "DataConfig", "HASH_EXCLUDED",
            "MODELS", "MODEL_DATA", "ModelConfig", "OptimConfig", "PLACEMENT_ONLY", "ParallelConfig", "SECTIONS",
            "TrainConfig", "apply_overrides", "config_from_dict", "config_hash", "field_docs",
-           "identity_hash", "load_config", "run_identity", "schedule_uses_steps", "validate"]
+           "identity_hash", "load_config", "run_identity", "schedule_uses_steps", "steps_override", "validate"]

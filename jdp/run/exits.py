@@ -1,8 +1,11 @@
 """How the `jdp` command ends on Ctrl-C and on a closed pipe: one line and exit code 130, or
-silence and 141, never a traceback."""
+silence and 141, never a traceback.
+
+It imports only os, signal and sys: the entry point (`jdp.run.entry`) imports it to install the
+SIGINT handler before anything heavier is imported.
+"""
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import sys
@@ -16,10 +19,7 @@ def run_quietly(command, *args) -> int:
     a SIGINT outside a run's training loop prints one line and exits 130 at once (`_interrupted`);
     a KeyboardInterrupt (a caller's own handler) returns 130 after that line; a BrokenPipeError
     on stdout returns 141, silently. The SIGINT handler is restored on the way out."""
-    try:
-        previous = signal.signal(signal.SIGINT, _interrupted)
-    except ValueError:  # not the main thread: leave signals alone
-        previous = None
+    previous = quiet_interrupts()
     try:
         return command(*args)
     except KeyboardInterrupt:  # a Ctrl-C in a caller's own handler (main() called in-process)
@@ -33,6 +33,15 @@ def run_quietly(command, *args) -> int:
             signal.signal(signal.SIGINT, previous)
 
 
+def quiet_interrupts():
+    """Make a SIGINT print one line and exit 130 at once (`_interrupted`); the handler it replaces,
+    or None off the main thread, where signals are left alone."""
+    try:
+        return signal.signal(signal.SIGINT, _interrupted)
+    except ValueError:  # not the main thread
+        return None
+
+
 _INTERRUPTED_LINE = "jdp: interrupted (Ctrl-C); a run's checkpoints already saved are intact."
 
 
@@ -43,19 +52,25 @@ def _interrupted(signum, frame) -> None:
     callback, where Python prints it as "Exception ignored" and carries on. Nothing is being saved
     then: every checkpoint and metrics write happens inside the loop's handler."""
     for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
+        try:
             stream.flush()
-    with contextlib.suppress(OSError):
+        except Exception:  # a closed or broken stream (or None): the line goes out below anyway
+            pass
+    try:
         os.write(2, (_INTERRUPTED_LINE + "\n").encode())
+    except OSError:
+        pass
     os._exit(INTERRUPTED)
 
 
 def _quiet_closed_stdout() -> None:
     """Point stdout at /dev/null: the interpreter's last flush would fail on the closed pipe again
     and print "Exception ignored ... BrokenPipeError"."""
-    with contextlib.suppress(OSError, ValueError):
+    try:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
 
 
-__all__ = ["CLOSED_PIPE", "INTERRUPTED", "run_quietly"]
+__all__ = ["CLOSED_PIPE", "INTERRUPTED", "quiet_interrupts", "run_quietly"]

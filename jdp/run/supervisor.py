@@ -121,7 +121,7 @@ def supervise(argv: list[str], process_id, heartbeat_s: int = 10, *, workdir: st
 
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
-    child = subprocess.Popen([sys.executable, "-m", "jdp.run.cli", *argv], env={**os.environ, SUPERVISED: "1"},
+    child = subprocess.Popen([sys.executable, "-m", "jdp.run.entry", *argv], env={**os.environ, SUPERVISED: "1"},
                              stderr=subprocess.PIPE, text=True, errors="replace",
                              preexec_fn=die_with_parent if sys.platform == "linux" else None)
     relay = _Relay(child.stderr)
