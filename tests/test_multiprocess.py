@@ -81,6 +81,16 @@ def flat(tree):
     return [np.asarray(tree)]
 
 
+def assert_same_run(work, reference, steps=6):
+    """The run in `work` logged the losses of the run in `reference` and checkpointed its params (same shapes)."""
+    np.testing.assert_allclose(list(losses(work).values()), list(losses(reference).values()), rtol=1e-6)
+    (s_work, p_work), (s_ref, p_ref) = latest_params(work), latest_params(reference)
+    assert s_work == s_ref == steps
+    for a, b in zip(flat(p_work), flat(p_ref)):
+        assert a.shape == b.shape
+        np.testing.assert_allclose(a, b, atol=2e-6)
+
+
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
     """The multi-process runs' config trained here, in one process on 4 of its devices (the CLI's
@@ -100,11 +110,7 @@ def test_two_processes_equal_one(tmp_path, one_process):
     work = tmp_path / "multi"
     for code, out, err in finish(launch(work, 6)):
         assert code == 0, err[-2000:]
-    np.testing.assert_allclose(list(losses(work).values()), list(losses(one_process).values()), rtol=1e-6)
-    (s_multi, p_multi), (s_one, p_one) = latest_params(work), latest_params(one_process)
-    assert s_multi == s_one == 6
-    for a, b in zip(flat(p_multi), flat(p_one)):
-        np.testing.assert_allclose(a, b, atol=2e-6)
+    assert_same_run(work, one_process)
 
 
 def test_one_process_on_four_devices_equals_one_device(tmp_path, one_process):
@@ -122,11 +128,7 @@ def test_two_processes_with_the_optimizer_state_sharded_equal_one(tmp_path, one_
     work = tmp_path / "zero"
     for code, out, err in finish(launch(work, 6, extra=["--set", "parallel.shard_optimizer_state=true"])):
         assert code == 0, err[-2000:]
-    np.testing.assert_allclose(list(losses(work).values()), list(losses(one_process).values()), rtol=1e-6)
-    (s_zero, p_zero), (s_one, p_one) = latest_params(work), latest_params(one_process)
-    assert s_zero == s_one == 6
-    for a, b in zip(flat(p_zero), flat(p_one)):
-        np.testing.assert_allclose(a, b, atol=2e-6)
+    assert_same_run(work, one_process)
 
 
 def test_two_processes_with_params_sharded_equal_one(tmp_path, one_process):
@@ -135,12 +137,7 @@ def test_two_processes_with_params_sharded_equal_one(tmp_path, one_process):
     work = tmp_path / "fsdp"
     for code, out, err in finish(launch(work, 6, extra=["--set", "parallel.shard_params=true"])):
         assert code == 0, err[-2000:]
-    np.testing.assert_allclose(list(losses(work).values()), list(losses(one_process).values()), rtol=1e-6)
-    (s_fsdp, p_fsdp), (s_one, p_one) = latest_params(work), latest_params(one_process)
-    assert s_fsdp == s_one == 6
-    for a, b in zip(flat(p_fsdp), flat(p_one)):
-        assert a.shape == b.shape
-        np.testing.assert_allclose(a, b, atol=2e-6)
+    assert_same_run(work, one_process)
 
 
 def test_hybrid_sharding_two_hosts_of_four_devices_equals_one(tmp_path, one_process):
@@ -153,12 +150,7 @@ def test_hybrid_sharding_two_hosts_of_four_devices_equals_one(tmp_path, one_proc
     for code, out, err in results:
         assert code == 0, err[-2000:]
     assert "sharded over 4 devices in each of 2 replica groups" in results[0][1]
-    np.testing.assert_allclose(list(losses(work).values()), list(losses(one_process).values()), rtol=1e-6)
-    (s_hybrid, p_hybrid), (s_one, p_one) = latest_params(work), latest_params(one_process)
-    assert s_hybrid == s_one == 6
-    for a, b in zip(flat(p_hybrid), flat(p_one)):
-        assert a.shape == b.shape
-        np.testing.assert_allclose(a, b, atol=2e-6)
+    assert_same_run(work, one_process)
 
 
 def test_sigterm_on_one_process_stops_all_at_one_step_and_resumes(tmp_path):
