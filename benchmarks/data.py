@@ -141,7 +141,7 @@ def bench_data(quick: bool, log=print) -> dict:
     from jdp.data import (char_windows, load_array_record, load_char_corpus, load_tokens, make_batches,
                           write_array_record)
 
-    count, steps = (50, 10) if quick else (150, 40)
+    count, steps = (20, 5) if quick else (150, 40)
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run([sys.executable, os.path.join(ROOT, "examples", "prepare_tokens.py"), "--out", tmp],
                        check=True, capture_output=True, timeout=120)
@@ -158,7 +158,7 @@ def bench_data(quick: bool, log=print) -> dict:
     rates["grain_source"] = batches_per_s(lambda: make_batches(source, BATCH, prefetch=0), count)
     settings = {"transform_inline": dict(prefetch=0), "transform_2_threads": dict(prefetch=4, threads=2),
                 "transform_2_workers": dict(prefetch=4, workers=2)}
-    rounds, repeats = {name: [] for name in settings}, 3 if quick else 5
+    rounds, repeats = {name: [] for name in settings}, 1 if quick else 5
     for r in range(repeats):  # alternating rounds: the machine's load changes between them
         for name, kw in settings.items():
             # A worker holds up to 2·prefetch batches (its own prefetch and grain's buffer): read them all first.

@@ -13,7 +13,7 @@ The peak is XLA's memory analysis of the compiled step: arguments + outputs − 
 Each size is compiled (never run: the state is abstract) in a fresh process, with a timeout:
 
   python -m benchmarks.fsdp_layers memory SIZE   # one RESULT line (JSON) for one size
-  python -m benchmarks.fsdp_layers time          # step-time ratios on the smallest size, one process
+  python -m benchmarks.fsdp_layers time [SIZE [ROUNDS [STEPS]]]  # step-time ratios on the smallest size, one process
   python -m benchmarks.fsdp_layers table         # every size and the times; benchmarks/results/fsdp_layers.md
 """
 from __future__ import annotations
@@ -28,6 +28,8 @@ from benchmarks.common import ROOT, fresh_process_result, interleave, paired_rat
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "fsdp_layers.md")
 SIZES = {"2M": dict(d_model=192, n_layers=4), "8M": dict(d_model=384, n_layers=4),
          "32M": dict(d_model=768, n_layers=4)}
+# `benchmarks.run --quick`: the same measurements on tiny models, to check the part runs (its numbers say little).
+QUICK_SIZES = {"q1": dict(d_model=32, n_layers=2, context=32), "q2": dict(d_model=64, n_layers=2, context=32)}
 COMMON = dict(vocab=256, context=128, n_heads=4, per_device=4)
 LAYOUTS = {"replicated": {}, "zero1": {"shard_optimizer_state": True}, "fsdp_whole": {"shard_params": True},
            "fsdp_layers": {"shard_params": True, "gather_in_model": True}}
@@ -39,7 +41,7 @@ def _model(size: str, abstract: bool = True):
 
     from jdp.models import GPT
 
-    g = {**COMMON, **SIZES[size]}
+    g = {**COMMON, **{**SIZES, **QUICK_SIZES}[size]}
     make = lambda: GPT(g["vocab"], g["context"], d_model=g["d_model"], n_heads=g["n_heads"],  # noqa: E731
                        n_layers=g["n_layers"], dropout=0.0, scan_layers=True, remat=True, rngs=nnx.Rngs(0))
     return (nnx.eval_shape(make) if abstract else make()), g
@@ -147,12 +149,12 @@ def shard_batch():
     return NamedSharding(Mesh(jax.devices()[:N], ("data",)), P("data"))
 
 
-def step_times(rounds: int = 5, steps: int = 3) -> dict:
-    """Interleaved step times on the smallest size: FSDP per layer, the partitioner's FSDP, replicated."""
+def step_times(size: str = "2M", rounds: int = 5, steps: int = 3) -> dict:
+    """Interleaved step times on `size` (the smallest): FSDP per layer, the partitioner's FSDP, replicated."""
     import jax
     from flax import nnx
 
-    model, g = _model("2M", abstract=False)
+    model, g = _model(size, abstract=False)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     host = _batch(g, N, False)
     runners = {}
@@ -225,16 +227,18 @@ def markdown(rows: list[dict], fit: dict, times: dict | None) -> str:
     return "\n".join(out) + "\n"
 
 
-def bench_fsdp_layers(log=print) -> dict:
-    """Every size's peaks and the step times, each in a fresh process; the slopes and their ratio."""
+def bench_fsdp_layers(log=print, quick: bool = False) -> dict:
+    """Every size's peaks and the step times, each in a fresh process; the slopes and their ratio
+    (`quick`: on QUICK_SIZES, one round of one step for the times)."""
     rows = []
-    for size in SIZES:
+    for size in QUICK_SIZES if quick else SIZES:
         result = fresh_process_result("benchmarks.fsdp_layers", "memory", size, timeout=1200)
         if "error" in result:
             return {"error": f"size {size}: {result['error']}"}
         log(f"    {size}: " + ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in result["peak"].items()))
         rows.append(result)
-    times = fresh_process_result("benchmarks.fsdp_layers", "time", timeout=1200)
+    times = fresh_process_result("benchmarks.fsdp_layers", "time", *(["q1", "1", "1"] if quick else []),
+                                 timeout=1200)
     fit = slopes(rows)
     out = {"rows": rows, "fit": fit, "times": None if "error" in times else times,
            "slope_over_partitioner": fit["fsdp_layers"]["slope"] / fit["partitioner"]["slope"]}
@@ -264,8 +268,10 @@ if __name__ == "__main__":
         import jdp.cpu
 
         jdp.cpu.use_cpu_devices(N)
-        print("RESULT " + json.dumps(memory(sys.argv[2]) if sys.argv[1] == "memory" else step_times()))
+        rest = sys.argv[2:]  # memory SIZE | time [SIZE [ROUNDS [STEPS]]]
+        print("RESULT " + json.dumps(memory(rest[0]) if sys.argv[1] == "memory" else
+                                     step_times(*rest[:1], *(int(r) for r in rest[1:3]))))
     elif sys.argv[1:] == ["table"]:
         print(table())
     else:
-        sys.exit("usage: python -m benchmarks.fsdp_layers memory SIZE | time | table")
+        sys.exit("usage: python -m benchmarks.fsdp_layers memory SIZE | time [SIZE [ROUNDS [STEPS]]] | table")

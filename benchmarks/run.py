@@ -509,7 +509,7 @@ def main(argv=None) -> int:
                    "accum": bench_accum, "scaling": bench_scaling,
                    "zero": lambda plan: bench_zero(plan.sizes, plan.steps, plan.repeats, log=log),
                    "fsdp": lambda plan: bench_fsdp(plan.sizes, plan.steps, plan.repeats, log=log, quick=args.quick),
-                   "fsdp_layers": lambda plan: bench_fsdp_layers(log=log),
+                   "fsdp_layers": lambda plan: bench_fsdp_layers(log=log, quick=plan is QUICK),
                    "data": lambda plan: bench_data(plan is QUICK, log=log)}
         for part in PARTS:
             if part in parts:
