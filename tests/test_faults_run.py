@@ -293,13 +293,28 @@ def test_the_failed_saves_other_write_tasks_print_nothing_at_exit(caplog):
         del task
         gc.collect()
 
+    def collect_one_failed_gather():  # the gather over the writes fails too, and nothing reads its exception
+        loop = asyncio.new_event_loop()
+
+        async def start():
+            return asyncio.gather(failing_write(), failing_write())
+
+        gathered = loop.run_until_complete(start())
+        loop.run_until_complete(asyncio.sleep(0.01))
+        loop.close()
+        del gathered
+        gc.collect()
+
     asyncio_log, before = logging.getLogger("asyncio"), list(logging.getLogger("asyncio").filters)
     try:
         collect_one_failed_task()
-        assert [r.getMessage().split("\n")[0] for r in caplog.records] == ["Task exception was never retrieved"]
+        collect_one_failed_gather()
+        assert [r.getMessage().split("\n")[0] for r in caplog.records] == [
+            "Task exception was never retrieved", "_GatheringFuture exception was never retrieved"]
         caplog.clear()
         jdp.run.cli._quiet_failed_save_tasks()
         collect_one_failed_task()
+        collect_one_failed_gather()
         asyncio_log.error("another asyncio error")
         assert [r.getMessage() for r in caplog.records] == ["another asyncio error"]
     finally:

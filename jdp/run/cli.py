@@ -187,12 +187,15 @@ def _quiet_closed_loop_callbacks() -> None:
 
 def _quiet_failed_save_tasks() -> None:
     """After a save that ran out of space is reported: orbax's other write tasks of that save failed
-    alike, and asyncio logs each one's traceback ("Task exception was never retrieved") when it is
-    collected at exit; whether any is left uncollected depends on timing."""
+    alike, and asyncio logs each one's traceback when it is collected at exit ("Task exception was
+    never retrieved", or "_GatheringFuture ..." for the gather that awaited them); whether any is
+    left uncollected depends on timing."""
     import logging
 
-    never_retrieved = "Task exception was never retrieved"
-    logging.getLogger("asyncio").addFilter(lambda record: not record.getMessage().startswith(never_retrieved))
+    def kept(record) -> bool:
+        return not record.getMessage().split("\n", 1)[0].endswith(" exception was never retrieved")
+
+    logging.getLogger("asyncio").addFilter(kept)
 
 
 def train_workdir(args) -> str:
