@@ -1,7 +1,7 @@
 """jdp's performance against plain JAX, PyTorch DDP and its own host loop, in one run.
 
   python -m benchmarks.run                 # full run (~5-8 min on a 2-core CPU)
-  python -m benchmarks.run --quick         # small sizes, few steps (~1 min), for tests
+  python -m benchmarks.run --quick         # small sizes, few steps (a few minutes), for tests
   python -m benchmarks.run --skip-ddp --out /tmp/bench
   python -m benchmarks.run --parts handwritten,train_loop   # some parts only
 
@@ -473,7 +473,7 @@ def ratios_table(report: dict) -> list[dict]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="small sizes and few steps (~1 min)")
+    ap.add_argument("--quick", action="store_true", help="small sizes and few steps (a few minutes)")
     ap.add_argument("--skip-ddp", action="store_true", help="leave out the PyTorch DDP comparison")
     ap.add_argument("--out", default=os.path.join(HERE, "results"), help="output folder (default benchmarks/results)")
     ap.add_argument("--parts", default=",".join(PARTS),
