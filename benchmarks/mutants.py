@@ -251,7 +251,7 @@ MUTANTS = [
            "isinstance(state.step, jax.Array) and state.step.is_deleted()",
            "False",
            ("tests/test_faults_api.py::test_reusing_a_donated_state_raises_instead_of_crashing",)),
-    Mutant("all_padding_batch_accepted", "core/step.py",
+    Mutant("all_padding_batch_accepted", "core/placement.py",
            "if isinstance(mask, np.ndarray) and not mask.any():",
            "if False:",
            ("tests/test_faults_api.py::test_all_padding_batch_is_refused",)),

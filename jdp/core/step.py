@@ -3,7 +3,8 @@
 Three parts, each in its own module: the options (`jdp.core.options.StepOptions`, every rule about
 them), the per-device algorithm (`jdp.core.algorithm.device_step`: grad -> reduce -> accumulate ->
 update), and the layout that runs it (`jdp.core.layouts`: shard_map or pmap). `TrainStep` joins them
-and does the host side: the initial state, placing batches, bounding how far the host runs ahead.
+and does the host side: the initial state, placing batches (`jdp.core.placement`), bounding how far
+the host runs ahead.
 
 The options of `make_train_step` that need more than a line:
 
@@ -70,7 +71,6 @@ the structure, shapes and dtypes of the state given.
 """
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Sequence
 from functools import partial
 
@@ -82,11 +82,12 @@ import optax
 from jdp.core.algorithm import Step, device_step
 from jdp.core.fsdp import FullyShardedLayout, host_whole
 from jdp.core.layouts import LAYOUTS, UNSIZED, aux_shapes
-from jdp.core.loss import batch_rows, call_loss
-from jdp.core.mesh import DATA_AXIS, batch_sharded, data_axes, make_mesh
+from jdp.core.loss import call_loss
+from jdp.core.mesh import DATA_AXIS, data_axes, make_mesh
 from jdp.core.model_state import check_agreement, check_structure, spread_over_devices
 from jdp.core.optim import OptimizerSpec, check_optimizer, for_reduction, with_grad_scale
 from jdp.core.options import StepOptions
+from jdp.core.placement import Placement
 from jdp.core.precision import check_master_params, in_precision
 from jdp.core.state import TrainState
 from jdp.core.zero import ShardedStateLayout
@@ -127,7 +128,7 @@ class TrainStep:
         self._step = self.layout.compile(partial(self._traced, algorithm))
         self._init = None  # built by init, once the layout knows the params' shapes
         self.run_ahead = RunAhead(self.devices)  # bounds steps in flight on CPU devices (see jdp.cpu)
-        self._placement = _Placement(self.mesh, self.layout, o, self.local_devices, self.multi_process)
+        self._placement = Placement(self.mesh, self.layout, o, self.local_devices, self.multi_process)
         self.trace_count = 0  # how often the step was traced (= compiled); tests assert it stays 1
 
     def __getattr__(self, name):  # the options read as attributes: step.accum_steps, step.backend, ...
@@ -274,41 +275,6 @@ class _FirstCall:
         self.model_state_checked = True
 
 
-class _Placement:
-    """The host side of the step's batches: each one checked, split into micro-batches and placed on
-    the devices (a process's slice of a global array in a multi-process run)."""
-
-    def __init__(self, mesh, layout, options: StepOptions, local_devices: int, multi_process: bool):
-        self.mesh, self.layout, self.options = mesh, layout, options
-        self.local_devices, self.multi_process = local_devices, multi_process
-        self._placed = weakref.WeakValueDictionary()  # arrays `place` produced, by id
-
-    def place(self, batch):
-        """`batch` validated and placed on the devices (`TrainStep.shard_batch`)."""
-        leaves = jax.tree.leaves(batch)
-        if leaves and all(self._placed.get(id(x)) is x for x in leaves):
-            return batch  # this step's shard_batch placed it already: use it as is
-        n = self.local_devices
-        check_batch(batch, n, self.options.mask_key, "this process's" if self.multi_process else "")
-        if self.multi_process:
-            placed = jax.tree.map(lambda x: jax.make_array_from_process_local_data(batch_sharded(self.mesh),
-                                                                                   np.asarray(x)), batch)
-        else:
-            placed = self.layout.place_batch(batch, n)
-        for x in jax.tree.leaves(placed):  # remembered weakly, so pre-staged batches skip this next time
-            self._placed[id(x)] = x
-        return placed
-
-    def micro_batches(self, global_batch) -> list:
-        """The M micro-batches of a global batch (`TrainStep.micro_batches`)."""
-        size, m, n = batch_rows(global_batch), self.options.accum_steps, self.local_devices
-        if size % (m * n):
-            raise ValueError(f"global batch size {size} is not accum_steps × devices × b = {m} × {n} × b "
-                             f"for any whole b; use a multiple of {m * n}.")
-        b = size // m
-        return [jax.tree.map(lambda x: x[k * b:(k + 1) * b], global_batch) for k in range(m)]
-
-
 def step_optimizer(optimizer, o: StepOptions, n: int) -> optax.GradientTransformation:
     """The transformation the step applies to the reduced gradient: `optimizer` with the psum
     correction, in optax.MultiSteps for "every" (which divides a weighted loss's gradient sums by the
@@ -341,20 +307,6 @@ def check_state(state, stacked: bool, backend: str) -> None:
     if state.stacked != stacked:
         raise ValueError(f"state was made for the {'pmap' if state.stacked else 'shard_map'} backend; "
                          f"this step uses {backend!r}.")
-
-
-def check_batch(batch, n: int, mask_key: str | None, whose: str = "") -> None:
-    """Refuse, in one sentence, a batch that cannot make a call on `n` devices."""
-    size = batch_rows(batch)
-    if size == 0:
-        raise ValueError("the global batch is empty (0 examples); a step needs at least one per device.")
-    mask = batch.get(mask_key) if isinstance(batch, dict) and mask_key else None
-    if isinstance(mask, np.ndarray) and not mask.any():  # a host mask costs nothing to check
-        raise ValueError(f"batch[{mask_key!r}] marks no real example (all zeros); a call needs at least one, "
-                         f"or the means over real examples divide by zero.")
-    if size % n:
-        raise ValueError(f"global batch size {size} does not divide evenly across {whose + ' ' if whose else ''}"
-                         f"{n} devices; use a multiple of {n}.")
 
 
 def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation | OptimizerSpec, *,
