@@ -284,7 +284,7 @@ MUTANTS = [
            'if tree_digest(jax.device_get(restored)) != saved["checksums"].get("state"):',
            "if False:",
            ("tests/test_faults_checkpoint.py", "-k", "damaged_arrays")),
-    Mutant("nonfinite_state_saved", "run/checkpoint.py",
+    Mutant("nonfinite_state_saved", "run/checkpoint_faults.py",
            "if np.issubdtype(leaf.dtype, np.inexact) and not np.all(np.isfinite(leaf)):",
            "if False:",
            ("tests/test_faults_checkpoint.py", "-k", "nonfinite")),
@@ -348,7 +348,7 @@ MUTANTS = [
            "            self._check_sample()",
            "            pass",  # a file of out-of-range ids opens; only its batches would fail, mid-run
            ("tests/test_data_sources.py", "-k", "bad_token_files")),
-    Mutant("data_digest_ignores_the_source", "run/checkpoint.py",
+    Mutant("data_digest_ignores_the_source", "run/digests.py",
            'digest = data.digest() if hasattr(data, "digest") and not hasattr(data, "arrays") else tree_digest(arrays)',
            'digest = tree_digest(arrays) if hasattr(data, "arrays") else hashlib.sha256(b"").hexdigest()',
            ("tests/test_tokens_train.py::test_the_run_identity_hashes_arrays_as_before_and_a_token_file_by_its_sample",)),
@@ -513,7 +513,7 @@ MUTANTS = [
            "reverse=True)]:",
            "reverse=False)]:",  # checkpoints 1, 2 intact, 3 damaged: resumes from 1
            ("tests/test_faults_checkpoint.py::test_fallback_resumes_from_the_newest_intact_checkpoint",)),
-    Mutant("model_state_not_checked_before_saving", "run/checkpoint.py",
+    Mutant("model_state_not_checked_before_saving", "run/checkpoint_faults.py",
            'for name in ("params", "opt_state", "model_state"):',
            'for name in ("params", "opt_state"):',  # NaN BatchNorm statistics are checkpointed
            ("tests/test_faults_api.py::test_a_nonfinite_model_state_is_never_saved",)),
@@ -601,11 +601,11 @@ MUTANTS = [
            'agreed |= {f"{section}.{key}": value for section, fields in identity.items() for key, value in fields.items()}',
            "agreed |= {}",  # another train.seed is refused naming only the "config" digests
            ("tests/test_facts.py::test_the_data_joins_the_identity_and_the_agreed_sizes_and_digests",)),
-    Mutant("optimizer_state_compared_before_params", "run/checkpoint.py",
+    Mutant("optimizer_state_compared_before_params", "run/checkpoint_faults.py",
            'for part, what in (("params", "params"), ("model_state", "a model state"), ("opt_state", "an optimizer state")):',
            'for part, what in (("opt_state", "an optimizer state"), ("params", "params"), ("model_state", "a model state")):',
            ("tests/test_faults_data.py::test_another_models_checkpoint_is_named_as_another_model_in_every_layout[fsdp]",)),
-    Mutant("ocdbt_resource_exhausted_not_out_of_space", "run/checkpoint.py",
+    Mutant("ocdbt_resource_exhausted_not_out_of_space", "run/checkpoint_faults.py",
            'if found is None and re.search(r"RESOURCE_EXHAUSTED',
            'if False and re.search(r"RESOURCE_EXHAUSTED',  # a full disk reported by OCDBT's writer: a traceback
            ("tests/test_faults_data.py::test_orbax_ocdbt_resource_exhausted_without_an_os_error_is_out_of_space",)),

@@ -198,7 +198,8 @@ def _train_errors(monkeypatch, capsys) -> list[str]:
     import jdp.run.train
     from jdp.config import load_config
     from jdp.data import load_tokens
-    from jdp.run.checkpoint import CheckpointWriteError, Checkpointer, _out_of_space
+    from jdp.run.checkpoint import CheckpointWriteError, Checkpointer
+    from jdp.run.checkpoint_faults import out_of_space as writing_out_of_space
     from jdp.run.distributed import disagreement
     from jdp.run.facts import RunFacts
     from jdp.run.lock import locked_workdir
@@ -208,7 +209,7 @@ def _train_errors(monkeypatch, capsys) -> list[str]:
     def out_of_space(config, workdir):
         checkpoints = Checkpointer(os.path.join(workdir, "checkpoints"))  # as train() makes it
         try:
-            with _out_of_space(checkpoints.directory, (2, 115_000)):  # the default MLP's params and Adam's moments
+            with writing_out_of_space(checkpoints.directory, (2, 115_000)):  # the default MLP's params and Adam's moments
                 raise OSError(errno.EFBIG, os.strerror(errno.EFBIG))
         except CheckpointWriteError as e:
             return e

@@ -166,13 +166,13 @@ def test_another_models_checkpoint_is_named_as_another_model_in_every_layout(tmp
 
 
 def test_orbax_ocdbt_resource_exhausted_without_an_os_error_is_out_of_space():
-    from jdp.run.checkpoint import _out_of_space_code
+    from jdp.run.checkpoint_faults import out_of_space_code
 
     ocdbt = ValueError('RESOURCE_EXHAUSTED: Error writing "params.w/0" in OCDBT database at local file '
                        '"/mnt/w/checkpoints/3.orbax-checkpoint-tmp/state/ocdbt.process_0/"')
-    assert _out_of_space_code(ocdbt) == errno.ENOSPC
-    assert _out_of_space_code(ValueError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.00GiB.")) is None
-    assert _out_of_space_code(ValueError("x [os_error_code='13']")) is None  # EACCES is not a full disk
+    assert out_of_space_code(ocdbt) == errno.ENOSPC
+    assert out_of_space_code(ValueError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.00GiB.")) is None
+    assert out_of_space_code(ValueError("x [os_error_code='13']")) is None  # EACCES is not a full disk
 
 
 FULL_DISK = """

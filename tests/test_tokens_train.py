@@ -223,7 +223,7 @@ def apply_workers(config):
 def test_the_run_identity_hashes_arrays_as_before_and_a_token_file_by_its_sample(tmp_path, files):
     import shutil
 
-    from jdp.run.checkpoint import tree_digest, with_data_digest
+    from jdp.run.digests import tree_digest, with_data_digest
     from jdp.config import load_config
     from jdp.data import ArrayDataset, load_tokens
     from jdp.train import train

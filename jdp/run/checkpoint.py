@@ -9,15 +9,8 @@ holding NaN/Inf is never saved, so rotation can only drop finite checkpoints for
 """
 from __future__ import annotations
 
-import contextlib
-import errno
 import glob
-import hashlib
-import json
-import logging
 import os
-import pathlib
-import re
 import tempfile
 import weakref
 from typing import Any, Callable
@@ -28,151 +21,15 @@ import orbax.checkpoint as ocp
 
 from jdp.core.state import TrainState
 from jdp.core.step import TrainStep, get_tree
+from jdp.run.checkpoint_faults import (UNREADABLE, CheckpointMismatchError, CheckpointWriteError, Diagnosis,
+                                       DamagedCheckpointError, NonFiniteStateError, check_finite, differences,
+                                       out_of_space, saved_tree)
+from jdp.run.digests import json_digest, tree_digest, with_data_digest
 from jdp.run.workfiles import finish_deletions, refuse_symlink, refuse_symlinks_in, remove_checkpoint
 
-# What orbax (and tensorstore beneath it) raise for a checkpoint it cannot read back: missing
-# items or files (KeyError, FileNotFoundError), truncated JSON (ValueError), a metadata tree of
-# another shape (ValueError), truncated array data (a bare Exception wrapping tensorstore's
-# ValueError). Reading never modifies the checkpoint.
-_UNREADABLE = Exception
-_HASH_CHUNK = 1 << 24  # bytes hashed at a time: a strided view (char windows) is copied a chunk at a time
-
-
-class CheckpointMismatchError(ValueError):
-    """The checkpoint was written by a run with another configuration; it is left untouched."""
-
-
-class DamagedCheckpointError(ValueError):
-    """The checkpoint cannot be read back, or does not match the checksums recorded when it was saved.
-
-    `finding` is the message without its advice (what a fallback logs as it skips the checkpoint).
-    """
-
-    def __init__(self, finding: str, advice: str):
-        super().__init__(f"{finding}; {advice}")
-        self.finding = finding
-
-
-class CheckpointWriteError(OSError):
-    """A checkpoint could not be written for lack of space (ENOSPC, EDQUOT, EFBIG); `strerror` is the
-    one sentence, naming the directory and the space it needs. The earlier checkpoints are intact."""
-
-
-# errno values meaning "no room for these bytes": a full disk, a quota, the file-size limit (RLIMIT_FSIZE).
-_NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-
-
-def _out_of_space_code(error: BaseException) -> int | None:
-    """The errno of `error` or its causes when it is a write that ran out of space, else None.
-
-    Tensorstore reports the OS error inside a ValueError's text (`[os_error_code='28']`), or only as
-    its status, `RESOURCE_EXHAUSTED: Error writing ...` (OCDBT's writer): that counts as ENOSPC.
-    """
-    for e in _chain(error):
-        if isinstance(e, OSError) and e.errno in _NO_SPACE:
-            return e.errno
-        found = re.search(r"os_error_code='(\d+)'", str(e))
-        if found and int(found.group(1)) in _NO_SPACE:
-            return int(found.group(1))
-        if found is None and re.search(r"RESOURCE_EXHAUSTED: (Error writing|Failed writing|Failed to write)", str(e)):
-            return errno.ENOSPC  # tensorstore's status for a write with no room, when it names no OS error
-    return None
-
-
-def _megabytes(size: int) -> str:
-    return f"{size / 1e6:.1f} MB" if size >= 1e5 else f"{size / 1e3:.0f} kB"
-
-
-class _QuietOutOfSpace(logging.Filter):
-    """Drops orbax's logged traceback of a save thread that ran out of space: jdp reports it in one sentence."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.ERROR:
-            return True
-        error = record.exc_info[1] if record.exc_info else None
-        return _out_of_space_code(error or RuntimeError(record.getMessage())) is None
-
-
-logging.getLogger("absl").addFilter(_QuietOutOfSpace())
-
-
-class NonFiniteStateError(RuntimeError):
-    """The state to checkpoint holds NaN/Inf; it was not saved, and the finite checkpoints are kept."""
-
-
-def tree_digest(tree) -> str:
-    """sha256 (hex) of every array leaf of `tree`: its path, dtype, shape and bytes, in tree order.
-
-    Costs one pass over the bytes (~1-2 GB/s) plus the copy of device arrays to the host.
-    """
-    h = hashlib.sha256()
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        if jax.dtypes.issubdtype(getattr(leaf, "dtype", None), jax.dtypes.prng_key):
-            leaf = jax.random.key_data(leaf)
-        a = np.asarray(leaf)
-        h.update(f"{jax.tree_util.keystr(path)}|{a.dtype.str}|{a.shape}\n".encode())
-        rows = a.reshape(1) if a.ndim == 0 else a
-        block = max(1, _HASH_CHUNK // max(1, rows[:1].nbytes))  # rows per update
-        for i in range(0, len(rows), block):
-            h.update(np.ascontiguousarray(rows[i:i + block]).data)
-    return h.hexdigest()
-
-
-def _json_digest(value) -> str:
-    return hashlib.sha256(json.dumps(value, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
-
-def with_data_digest(identity: dict, data) -> dict:
-    """`identity` (a run identity) with `data.train_arrays_sha256`: the first 16 hex digits of a sha256
-    of the training data, so resuming on other data is refused like any other difference.
-
-    In-memory arrays (a dict of arrays, or anything with `.arrays`) are hashed whole (`tree_digest`);
-    any other source by its own `digest()`, which reads a sample (a token file: its size, dtype,
-    window settings and 16 blocks of 64 KiB; a grain or ArrayRecord source: its length and 8 items).
-    """
-    arrays = getattr(data, "arrays", data)
-    digest = data.digest() if hasattr(data, "digest") and not hasattr(data, "arrays") else tree_digest(arrays)
-    return {**identity, "data": {**identity.get("data", {}), "train_arrays_sha256": digest[:16]}}
-
-
-def _differences(saved: dict, current: dict, prefix: str = "") -> list[str]:
-    keys = sorted(set(saved) | set(current))
-    out = []
-    for k in keys:
-        a, b = saved.get(k, "<absent>"), current.get(k, "<absent>")
-        if isinstance(a, dict) and isinstance(b, dict):
-            out += _differences(a, b, f"{prefix}{k}.")
-        elif a != b:
-            out.append(f"{prefix}{k}: checkpoint {a!r}, now {b!r}")
-    return out
-
-
-def _structure(tree) -> list[tuple[str, tuple]]:
-    """`tree`'s array leaves as (path, shape), paths written alike for a live state (NamedTuples,
-    tuples) and for orbax's metadata of it (dicts, lists): `0.mu.w` for both."""
-    def name(key):
-        for attribute in ("key", "name", "idx"):
-            if hasattr(key, attribute):
-                return str(getattr(key, attribute))
-        return str(key)
-
-    leaves = jax.tree_util.tree_leaves_with_path(tree)
-    return sorted((".".join(map(name, path)), tuple(getattr(leaf, "shape", ()))) for path, leaf in leaves)
-
-
-def _saved_tree(path: str):
-    """The array metadata of the state saved at `path` (a checkpoint's `state` item), as a tree. Read by
-    the item's handler: a Checkpointer would also look there for a step's metadata, which an item
-    has none of, and log a warning for it on the console at every resume."""
-    saved = ocp.StandardCheckpointHandler().metadata(pathlib.Path(path))
-    return saved.tree if hasattr(saved, "tree") else saved
-
-
-def _shown(structure: list[tuple[str, tuple]], most: int = 6) -> str:
-    if not structure:
-        return "no arrays"
-    text = ", ".join(f"{path or '<root>'} {shape}" for path, shape in structure[:most])
-    return text + (f", … ({len(structure)} arrays)" if len(structure) > most else "")
+# The errors and the data digest are imported from here by the trainer, the CLI and users' code.
+__all__ = ["CheckpointMismatchError", "CheckpointWriteError", "Checkpointer", "DamagedCheckpointError",
+           "NonFiniteStateError", "latest_params", "restore_state", "save_state", "set_aside", "with_data_digest"]
 
 
 def _glob_safe(directory: str) -> tuple[str, Callable[[], None] | None]:
@@ -194,87 +51,6 @@ def _glob_safe(directory: str) -> tuple[str, Callable[[], None] | None]:
     os.symlink(directory, alias)
     return alias, lambda: (os.unlink(alias), os.rmdir(parent))
 
-
-def _chain(error: BaseException) -> list[BaseException]:
-    """`error` and the errors it was raised from, outermost first (orbax wraps tensorstore's)."""
-    chain = [error]
-    while (inner := chain[-1].__cause__ or chain[-1].__context__) is not None and inner not in chain:
-        chain.append(inner)
-    # json's parser raises JSONDecodeError while handling its own StopIteration: that is not a cause.
-    return [e for e in chain if not isinstance(e, StopIteration)] or chain
-
-
-@contextlib.contextmanager
-def _out_of_space(directory: str, writing: tuple[int | None, int]):
-    """Turn orbax's (tensorstore's) error for a write that ran out of space into CheckpointWriteError;
-    `writing`: (the checkpoint being written, its arrays' bytes)."""
-    try:
-        yield
-    except Exception as e:
-        code = _out_of_space_code(e)
-        if code is None:
-            raise
-        step_number, size = writing
-        raise CheckpointWriteError(code, f"checkpoint {step_number} could not be written to {directory!r} "
-                                   f"({os.strerror(code)}: a full disk, a quota or the file-size limit); it "
-                                   f"needs about {_megabytes(size)} of free space (its arrays) in one file "
-                                   f"system, and every checkpoint saved before it is intact") from None
-
-
-class _Diagnosis:
-    """Why a checkpoint of `directory` cannot be restored, as the error to raise: damaged (a checksum),
-    unreadable, not permitted, or holding another structure than the step's; each with its advice."""
-
-    def __init__(self, directory: str, manager: ocp.CheckpointManager):
-        self.directory, self._manager = directory, manager
-
-    def advice(self, step_number: int) -> str:
-        older = [s for s in self._manager.all_steps() if s < step_number]
-        if not older:
-            return "remove it or use another --workdir."
-        return (f"rerun with --fallback-to-intact to resume from the newest intact older checkpoint (of "
-                f"{', '.join(map(str, sorted(older)))}) and move this one to {self.directory + '.damaged'!r}, or "
-                f"use another --workdir.")
-
-    def damaged(self, step_number: int, what: str) -> DamagedCheckpointError:
-        return DamagedCheckpointError(f"checkpoint {step_number} in {self.directory!r} is damaged: its {what} do not "
-                                      f"match the sha256 recorded when it was saved", self.advice(step_number))
-
-    def unreadable(self, step_number: int, error: BaseException) -> ValueError:
-        """The error for a checkpoint that orbax cannot read back: not permitted to (a plain ValueError),
-        or damaged, truncated or not jdp's (DamagedCheckpointError)."""
-        chain = _chain(error)
-        cause = chain[-1]  # the root cause says most
-        text = cause.args[0] if isinstance(cause, KeyError) and cause.args else cause
-        text = (str(text).strip().splitlines() or [""])[0].rstrip(".:") or "no details"
-        text = text if len(text) <= 300 else text[:299] + "…"
-        if any(isinstance(e, PermissionError) or "PERMISSION_DENIED" in str(e) for e in chain):
-            return ValueError(f"checkpoint {step_number} in {self.directory!r} cannot be read ({text}); give this "
-                              f"user read permission on it or use another --workdir.")
-        return DamagedCheckpointError(f"checkpoint {step_number} in {self.directory!r} is unreadable "
-                                      f"({type(cause).__name__}: {text})", self.advice(step_number))
-
-    def other_structure(self, step_number: int, canonical: TrainState) -> CheckpointMismatchError | None:
-        """The error for a readable checkpoint whose state has another structure than this step's (another
-        optimizer, model or model state); None when the saved structure cannot be read or is the same."""
-        try:
-            saved = _saved_tree(os.path.join(str(self._manager.directory), str(step_number), "state"))
-        except _UNREADABLE:
-            return None
-        if not (isinstance(saved, dict) and {"params", "opt_state"} <= saved.keys() and _structure(saved["params"])):
-            return None  # a damaged or truncated state: not a question of structure
-        # The params first: an optimizer state of another shape (Adam's moments have the params' shapes)
-        # follows from another model, and the model is then what differs.
-        for part, what in (("params", "params"), ("model_state", "a model state"), ("opt_state", "an optimizer state")):
-            theirs, mine = _structure(saved.get(part) if isinstance(saved, dict) else None), _structure(
-                getattr(canonical, part))
-            if theirs != mine:
-                return CheckpointMismatchError(
-                    f"checkpoint {step_number} in {self.directory!r} holds {what} of another structure "
-                    f"(checkpoint: {_shown(theirs)}; this step: {_shown(mine)}), so it was written with another "
-                    f"{'optimizer' if part == 'opt_state' else 'model'}; restore it with the one it was trained "
-                    f"with, or use another --workdir for this one.")
-        return None
 
 
 class Checkpointer:
@@ -299,7 +75,7 @@ class Checkpointer:
         # jdp rotates itself (`_rotate`): orbax's max_to_keep would delete any step-named entry.
         self.keep = keep
         self._manager = ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(max_to_keep=None))
-        self._diagnosis = _Diagnosis(self.directory, self._manager)
+        self._diagnosis = Diagnosis(self.directory, self._manager)
         self._writing = (None, 0)  # the checkpoint being saved and its bytes, for an out-of-space error
 
     def latest_step(self) -> int | None:
@@ -318,10 +94,10 @@ class Checkpointer:
         host = jax.device_get(canonical)  # orbax copies to the host too; this copy is checksummed
         check_finite(step_number, host, self.latest_step())
         meta = {"data_state": data_state, "run": run}
-        meta["checksums"] = {"state": tree_digest(host), "meta": _json_digest(meta)}
+        meta["checksums"] = {"state": tree_digest(host), "meta": json_digest(meta)}
         self.wait()  # orbax would wait for the previous save too; then rotate before starting this one
         self._writing = (step_number, sum(np.asarray(x).nbytes for x in jax.tree.leaves(host)))
-        with _out_of_space(self.directory, self._writing):
+        with out_of_space(self.directory, self._writing):
             self._manager.save(step_number, args=ocp.args.Composite(
                 state=ocp.args.StandardSave(canonical), meta=ocp.args.JsonSave(meta)))
 
@@ -331,7 +107,7 @@ class Checkpointer:
         Raises CheckpointWriteError (an OSError) if a save ran out of space (a full disk, a quota,
         the file-size limit); the checkpoints saved before it are intact.
         """
-        with _out_of_space(self.directory, self._writing):
+        with out_of_space(self.directory, self._writing):
             self._manager.wait_until_finished()
         self._rotate()
 
@@ -355,16 +131,16 @@ class Checkpointer:
                 raise KeyError("its metadata has no 'data_state' and 'run.identity', so jdp did not write it")
             if not isinstance(meta.get("checksums"), dict):
                 raise KeyError("its metadata has no 'checksums', so a jdp that did not verify checkpoints wrote it")
-        except _UNREADABLE as e:
+        except UNREADABLE as e:
             raise self._diagnosis.unreadable(step_number, e) from None
-        if _json_digest({"data_state": meta["data_state"], "run": meta["run"]}) != meta["checksums"].get("meta"):
+        if json_digest({"data_state": meta["data_state"], "run": meta["run"]}) != meta["checksums"].get("meta"):
             raise self._diagnosis.damaged(step_number, "data position and run identity")
         return meta
 
     def _restore_verified(self, step: TrainStep, like: TrainState, run: dict, step_number: int) -> tuple:
         """(state, data_state) of checkpoint `step_number`, after checking its identity and checksums."""
         saved = self.run_info(step_number)
-        diffs = _differences(saved["run"]["identity"], run["identity"])
+        diffs = differences(saved["run"]["identity"], run["identity"])
         if diffs:
             raise CheckpointMismatchError(
                 f"checkpoint {step_number} in {self.directory!r} was written by a different run ("
@@ -377,7 +153,7 @@ class Checkpointer:
         try:
             restored = self._manager.restore(step_number, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract))).state
-        except _UNREADABLE as e:
+        except UNREADABLE as e:
             found = self._diagnosis
             raise found.other_structure(step_number, canonical) or found.unreadable(step_number, e) from None
         if tree_digest(jax.device_get(restored)) != saved["checksums"].get("state"):
@@ -448,17 +224,6 @@ def set_aside(directory: str, damaged: list[int], log: Callable[[str], Any]) -> 
         multihost_utils.sync_global_devices("jdp: damaged checkpoints set aside")
 
 
-def check_finite(step_number: int, host: TrainState, newest: int | None) -> None:
-    """Raise NonFiniteStateError if the params, optimizer or model state of `host` hold a NaN/Inf."""
-    for name in ("params", "opt_state", "model_state"):
-        for path, leaf in jax.tree_util.tree_flatten_with_path(getattr(host, name))[0]:
-            leaf = np.asarray(leaf)
-            if np.issubdtype(leaf.dtype, np.inexact) and not np.all(np.isfinite(leaf)):
-                kept = ("no checkpoint was saved before it" if newest is None
-                        else f"the newest checkpoint, step {newest}, is finite and kept")
-                raise NonFiniteStateError(
-                    f"training stopped at step {step_number}: its state holds NaN/Inf (first in "
-                    f"{name}{jax.tree_util.keystr(path)}), so it was not checkpointed; {kept}.")
 
 
 def _check_access(directory: str) -> None:
@@ -489,7 +254,7 @@ def latest_params(workdir: str) -> tuple[int, Any]:
     try:
         one_device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])  # saved on another topology
         abstract = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one_device),
-                                _saved_tree(path))
+                                saved_tree(path))
         return max(steps), jax.device_get(ocp.StandardCheckpointer().restore(path, abstract)["params"])
     finally:
         if remove_alias is not None:

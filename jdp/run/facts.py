@@ -14,8 +14,9 @@ from dataclasses import dataclass
 
 import jax
 
-from jdp.run.checkpoint import CheckpointMismatchError, with_data_digest
+from jdp.run.checkpoint_faults import CheckpointMismatchError
 from jdp.run.config import ADDED_DEFAULTS, HASH_EXCLUDED, Config, identity_hash, run_identity, schedule_uses_steps
+from jdp.run.digests import with_data_digest
 
 
 def itstime(step: int, every: int, total: int) -> bool:
