@@ -414,7 +414,7 @@ MUTANTS = [
            "return Mesh(np.array(devices), (axis_name,))",
            "return Mesh(np.array(devices), (DATA_AXIS,))",
            ("tests/test_linen.py", "-k", "batch_stats_field")),
-    Mutant("exactness_reference_unbound_axis", "inspect/exactness.py",
+    Mutant("exactness_reference_unbound_axis", "inspect/reference.py",
            "step = jax.jit(jax.vmap(one_device, axis_name=axis))",
            "step = jax.jit(one_device)",  # the reference cannot run a loss that reduces over its axis
            ("tests/test_linen.py", "-k", "assert_data_parallel_exact")),

@@ -18,7 +18,7 @@ from flax import nnx
 
 from jdp.core.step import get_tree
 from jdp.core.step import make_train_step as make_array_step
-from jdp.inspect.exactness_weighted import is_weighted_loss, own_count_hint, reference_weighted
+from jdp.inspect.reference import micro_batches, one_device_reference, own_count_hint
 from jdp.inspect.replicas import check_replicas
 
 # dtype: (rtol, atol). A leaf passes if max |jdp - reference| <= atol + rtol * max |reference|.
@@ -183,8 +183,9 @@ def assert_data_parallel_exact(loss_fn: Callable, optimizer, params_or_model, ba
     batches, backends, syncs = _checked_arguments(batches, backends, accum_sync, step_options)
     devices = _checked_devices(devices)
     setup = _setup(loss_fn, optimizer, params_or_model, has_aux, has_state, model_state, rtol, atol)
-    reference = _reference(setup, loss_fn, params_or_model, batches, accum_steps, has_aux,
-                           step_options.get("axis_name", "data"), devices[0])
+    reference = one_device_reference(setup, loss_fn, params_or_model, batches, accum_steps, has_aux,
+                                     step_options.get("axis_name", "data"), devices[0])
+    _check_reference_finite(reference[1])
     rows, labels = [], []
     for backend in backends:
         for sync in (syncs if accum_steps > 1 else syncs[:1]):
@@ -196,25 +197,10 @@ def assert_data_parallel_exact(loss_fn: Callable, optimizer, params_or_model, ba
         return _verdict(rows, labels, len(devices), len(batches))
     except NotExactError as e:
         hint = None if isinstance(params_or_model, nnx.Module) or e.report is None else own_count_hint(
-            setup, _micro(batches[0], accum_steps)[0], len(devices), step_options.get("axis_name", "data"))
+            setup, micro_batches(batches[0], accum_steps)[0], len(devices), step_options.get("axis_name", "data"))
         if hint is None:
             raise
         raise NotExactError(f"{hint}\n{e}", e.report) from None
-
-
-def _reference(setup, loss_fn, params_or_model, batches: list, accum_steps: int, has_aux: bool, axis: str, device):
-    """The one-device run every jdp run is compared with (`_reference_model` for an nnx model, else
-    `_reference_params`), through `optax.MultiSteps` over the micro-batches when accum_steps > 1;
-    NotExactError if it went NaN/Inf."""
-    tx = setup.tx if accum_steps == 1 else optax.MultiSteps(setup.tx, accum_steps).gradient_transformation()
-    if isinstance(params_or_model, nnx.Module):
-        reference = _reference_model(loss_fn, tx, params_or_model, batches, accum_steps, has_aux, device)
-    elif is_weighted_loss(setup, batches[0], axis):
-        reference = reference_weighted(setup, batches, accum_steps, axis, device)
-    else:
-        reference = _reference_params(setup, tx, batches, accum_steps, axis, device)
-    _check_reference_finite(reference[1])
-    return reference
 
 
 def _checked_arguments(batches, backends, accum_sync, step_options):
@@ -329,93 +315,6 @@ def _nnx_make_train_step(model, loss_fn, optimizer, **options):
     from jdp.bridges.nnx import make_train_step
 
     return make_train_step(model, loss_fn, optimizer, **options)
-
-
-def _micro(batch, m: int) -> list:
-    rows = {np.shape(x)[0] for x in jax.tree.leaves(batch)}
-    if len(rows) != 1:
-        raise ValueError(f"every leaf of a batch needs the same leading (batch) axis; got sizes {sorted(rows)}.")
-    (size,) = rows
-    if size % m:
-        raise ValueError(f"a global batch of {size} examples does not split into accum_steps={m} micro-batches.")
-    b = size // m
-    return [jax.tree.map(lambda x: x[k * b:(k + 1) * b], batch) for k in range(m)]
-
-
-def _reference_params(setup: _Setup, tx, batches, m, axis: str, device):
-    """Plain one-device JAX: jit(value_and_grad) and the optax update, on the whole (micro-)batch,
-    with `axis` bound on that one device (vmap over a size-1 axis), so collectives in the loss are
-    the identity."""
-
-    def one_device(params, opt_state, model_state, batch):
-        def loss(p):
-            out = setup.loss_fn(p, model_state, batch) if setup.has_state else setup.loss_fn(p, batch)
-            if setup.has_aux and setup.has_state:
-                return out
-            if setup.has_aux:
-                return out[0], (out[1], model_state)
-            return (out[0], ({}, out[1])) if setup.has_state else (out, ({}, model_state))
-
-        (value, (aux, new_state)), grads = jax.value_and_grad(loss, has_aux=True)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, new_state, value, aux
-
-    step = jax.jit(jax.vmap(one_device, axis_name=axis))
-    one = lambda tree: jax.tree.map(lambda x: x[None], tree)  # noqa: E731
-    params = jax.device_put(setup.start, device)
-    model_state = jax.device_put(setup.model_state if setup.has_state else (), device)
-    carry = one((params, tx.init(params), model_state))
-    losses, auxes = [], []
-    for batch in batches:
-        outs = []
-        for micro in _micro(batch, m):
-            *carry, loss, aux = step(*carry, one(jax.device_put(micro, device)))
-            outs.append((loss[0], jax.tree.map(lambda x: x[0], aux)))
-        losses.append(_mean([o[0] for o in outs]))
-        auxes.append(jax.tree.map(lambda *xs: _mean(xs), *[o[1] for o in outs]))
-    params, _, model_state = jax.tree.map(lambda x: x[0], jax.device_get(carry))
-    initial = {"params": jax.device_get(setup.start)}
-    final = {"params": params}
-    if setup.has_state:
-        initial["model_state"], final["model_state"] = jax.device_get(setup.model_state), model_state
-    return initial, final, jax.device_get(losses), jax.device_get(auxes)
-
-
-def _reference_model(loss_fn, tx, model, batches, m, has_aux, device):
-    """The one-device nnx loop: nnx.value_and_grad and an nnx.Optimizer, on the whole (micro-)batch."""
-    with jax.default_device(device):
-        model = nnx.clone(model)
-        nnx.update(model, jax.device_put(nnx.state(model), device))
-        opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
-
-        @nnx.jit
-        def step(model, opt, batch):
-            (loss, aux), grads = nnx.value_and_grad(_with_aux(loss_fn, has_aux), has_aux=True)(model, batch)
-            opt.update(model, grads)
-            return loss, aux
-
-        def parts(model):
-            _, params, _, rest = nnx.split(model, nnx.Param, nnx.RngState, ...)
-            return {"params": jax.device_get(params), "model_state": jax.device_get(rest)}
-
-        initial = parts(model)
-        losses, auxes = [], []
-        for batch in batches:
-            outs = [step(model, opt, jax.device_put(micro, device)) for micro in _micro(batch, m)]
-            losses.append(_mean([o[0] for o in outs]))
-            auxes.append(jax.tree.map(lambda *xs: _mean(xs), *[o[1] for o in outs]))
-        return initial, parts(model), jax.device_get(losses), jax.device_get(auxes)
-
-
-def _with_aux(loss_fn, has_aux):
-    if has_aux:
-        return loss_fn
-    return lambda *args: (loss_fn(*args), {})
-
-
-def _mean(values):
-    values = [np.asarray(v) for v in values]
-    return values[0] if len(values) == 1 else np.mean(np.stack(values).astype(np.float64), 0).astype(values[0].dtype)
 
 
 def _leaves(tree) -> dict[str, np.ndarray]:

@@ -1,0 +1,210 @@
+"""The one-device runs `assert_data_parallel_exact` compares jdp with, written without jdp's step.
+
+Plain JAX: `jax.jit(value_and_grad)` and the optax update on the whole global batch (or Flax's
+`nnx.Optimizer` loop for an nnx model), through `optax.MultiSteps` over the micro-batches when
+accum_steps > 1. A loss that returns `jdp.Weighted(total, weight)` is a mean over all the weight
+of an optimizer step: its reference sums the totals, gradients and weights of the step's M
+micro-batches and divides once (never `optax.MultiSteps`' mean of micro-batch means). A plain loss
+that divides by its own examples' or tokens' count is not a mean over examples: its value on the
+whole batch differs from the mean of its values on the device shards, which `own_count_hint`
+measures.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jdp.core.weighting import Weighted, is_weighted, ratios, weighted_aux
+
+
+def one_device_reference(setup, loss_fn, params_or_model, batches: list, accum_steps: int, has_aux: bool, axis: str,
+                         device):
+    """The one-device run every jdp run is compared with (`_reference_model` for an nnx model, else
+    `reference_weighted` for a loss that returns `jdp.Weighted`, else `_reference_params`), through
+    `optax.MultiSteps` over the micro-batches when accum_steps > 1: (initial, final, losses per step,
+    aux per step), the trees as {"params": ..., "model_state": ...} on the host."""
+    tx = setup.tx if accum_steps == 1 else optax.MultiSteps(setup.tx, accum_steps).gradient_transformation()
+    if isinstance(params_or_model, nnx.Module):
+        return _reference_model(loss_fn, tx, params_or_model, batches, accum_steps, has_aux, device)
+    if is_weighted_loss(setup, batches[0], axis):
+        return reference_weighted(setup, batches, accum_steps, axis, device)
+    return _reference_params(setup, tx, batches, accum_steps, axis, device)
+
+
+def _call(setup, params, model_state, batch):
+    """(loss, aux, new_model_state) of the user's loss, as declared."""
+    out = setup.loss_fn(params, model_state, batch) if setup.has_state else setup.loss_fn(params, batch)
+    if setup.has_aux and setup.has_state:
+        return out[0], out[1][0], out[1][1]
+    if setup.has_aux:
+        return out[0], out[1], model_state
+    return (out[0], {}, out[1]) if setup.has_state else (out, {}, model_state)
+
+
+def is_weighted_loss(setup, batch, axis: str) -> bool:
+    """Whether the loss returns `jdp.Weighted` (traced once on `batch`, nothing computed)."""
+    model_state = setup.model_state if setup.has_state else ()
+    params = jax.tree.map(jnp.asarray, setup.start)
+    traced = jax.vmap(lambda b: _call(setup, params, model_state, b)[0], axis_name=axis)
+    out = jax.eval_shape(traced, jax.tree.map(lambda x: np.asarray(x)[None], batch))
+    return is_weighted(out)
+
+
+def reference_weighted(setup, batches, m: int, axis: str, device):
+    """One device: per optimizer step, the sums of the M micro-batches' totals, gradients, aux and
+    weights, divided once by the step's weight, then the optimizer update. Returns what
+    `_reference_params` returns: (initial, final, losses, aux) per step."""
+
+    def sums(params, model_state, batch):
+        def total(p):
+            loss, aux, new_state = _call(setup, p, model_state, batch)
+            w = jnp.asarray(loss.weight, jnp.float32)
+            return loss.total, (w, weighted_aux(aux, lambda a: Weighted(a * w, w)), new_state)
+
+        (value, (w, aux, new_state)), grads = jax.value_and_grad(total, has_aux=True)(params)
+        return grads, value, w, aux, new_state
+
+    def update(params, opt_state, grads, weight):
+        updates, opt_state = setup.tx.update(jax.tree.map(lambda g: g / weight, grads), opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    one = lambda tree: jax.tree.map(lambda x: x[None], tree)  # noqa: E731
+    first = lambda tree: jax.tree.map(lambda x: x[0], tree)  # noqa: E731
+    step_sums = jax.jit(jax.vmap(sums, axis_name=axis))
+    step_update = jax.jit(update)
+    params = jax.device_put(setup.start, device)
+    model_state = jax.device_put(setup.model_state if setup.has_state else (), device)
+    opt_state = setup.tx.init(params)
+    losses, auxes = [], []
+    for batch in batches:
+        acc = None
+        for micro in micro_batches(batch, m):
+            grads, value, w, aux, new_state = first(step_sums(one(params), one(model_state),
+                                                              one(jax.device_put(micro, device))))
+            model_state = new_state
+            call = (grads, value, w, aux)
+            acc = call if acc is None else jax.tree.map(jnp.add, acc, call)
+        grads, value, w, aux = acc
+        params, opt_state = step_update(params, opt_state, grads, w)
+        losses.append(np.float32(value / w))
+        auxes.append(jax.device_get(ratios(aux)))
+    initial, final = {"params": jax.device_get(setup.start)}, {"params": jax.device_get(params)}
+    if setup.has_state:
+        initial["model_state"], final["model_state"] = jax.device_get(setup.model_state), jax.device_get(model_state)
+    return initial, final, jax.device_get(losses), auxes
+
+
+def own_count_hint(setup, batch, devices: int, axis: str) -> str | None:
+    """A sentence when a plain loss is not a mean over examples: on `batch` (one micro-batch) its
+    value differs from the mean of its values on the `devices` shards, as when it divides by each
+    shard's own count of tokens; None when it is a mean (or has model state, which shards change)."""
+    if setup.has_state or not all(np.shape(x)[0] % devices == 0 for x in jax.tree.leaves(batch)):
+        return None
+    params = jax.tree.map(jnp.asarray, setup.start)
+    value = jax.jit(jax.vmap(lambda b: _call(setup, params, (), b)[0], axis_name=axis))
+    stacked = lambda tree, n: jax.tree.map(lambda x: np.asarray(x).reshape(n, -1, *np.shape(x)[1:]), tree)  # noqa: E731
+    whole = float(value(stacked(batch, 1))[0])
+    shards = [float(value(stacked(jax.tree.map(lambda x, d=d: np.asarray(x)[np.arange(len(x)) // (len(x) // devices)
+                                                                         == d], batch), 1))[0])
+              for d in range(devices)]
+    mean = float(np.mean(shards))
+    if abs(whole - mean) <= 1e-5 * max(1.0, abs(whole)):
+        return None
+    if abs(whole - devices * mean) <= 1e-4 * max(1.0, abs(whole)):
+        return (f"loss_fn is not a mean over examples: on the first batch its value on the whole batch ({whole:.6g}) is "
+                f"{devices} times the mean of its values on the {devices} device shards ({mean:.6g}), as a sum over "
+                f"examples is; return the mean (jdp averages over devices), or jdp.Weighted(sum, count).")
+    return (f"loss_fn is not a mean over examples: on the first batch its value on the whole batch ({whole:.6g}) "
+            f"differs from the mean of its values on the {devices} device shards ({mean:.6g}), as when it divides by "
+            f"each shard's own count of real tokens; return jdp.Weighted(sum of the losses, their count) so that jdp "
+            f"divides by the global count once.")
+
+
+def micro_batches(batch, m: int) -> list:
+    rows = {np.shape(x)[0] for x in jax.tree.leaves(batch)}
+    if len(rows) != 1:
+        raise ValueError(f"every leaf of a batch needs the same leading (batch) axis; got sizes {sorted(rows)}.")
+    (size,) = rows
+    if size % m:
+        raise ValueError(f"a global batch of {size} examples does not split into accum_steps={m} micro-batches.")
+    b = size // m
+    return [jax.tree.map(lambda x: x[k * b:(k + 1) * b], batch) for k in range(m)]
+
+
+def _reference_params(setup, tx, batches, m, axis: str, device):
+    """Plain one-device JAX: jit(value_and_grad) and the optax update, on the whole (micro-)batch,
+    with `axis` bound on that one device (vmap over a size-1 axis), so collectives in the loss are
+    the identity."""
+
+    def one_device(params, opt_state, model_state, batch):
+        def loss(p):
+            out = setup.loss_fn(p, model_state, batch) if setup.has_state else setup.loss_fn(p, batch)
+            if setup.has_aux and setup.has_state:
+                return out
+            if setup.has_aux:
+                return out[0], (out[1], model_state)
+            return (out[0], ({}, out[1])) if setup.has_state else (out, ({}, model_state))
+
+        (value, (aux, new_state)), grads = jax.value_and_grad(loss, has_aux=True)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, new_state, value, aux
+
+    step = jax.jit(jax.vmap(one_device, axis_name=axis))
+    one = lambda tree: jax.tree.map(lambda x: x[None], tree)  # noqa: E731
+    params = jax.device_put(setup.start, device)
+    model_state = jax.device_put(setup.model_state if setup.has_state else (), device)
+    carry = one((params, tx.init(params), model_state))
+    losses, auxes = [], []
+    for batch in batches:
+        outs = []
+        for micro in micro_batches(batch, m):
+            *carry, loss, aux = step(*carry, one(jax.device_put(micro, device)))
+            outs.append((loss[0], jax.tree.map(lambda x: x[0], aux)))
+        losses.append(_mean([o[0] for o in outs]))
+        auxes.append(jax.tree.map(lambda *xs: _mean(xs), *[o[1] for o in outs]))
+    params, _, model_state = jax.tree.map(lambda x: x[0], jax.device_get(carry))
+    initial = {"params": jax.device_get(setup.start)}
+    final = {"params": params}
+    if setup.has_state:
+        initial["model_state"], final["model_state"] = jax.device_get(setup.model_state), model_state
+    return initial, final, jax.device_get(losses), jax.device_get(auxes)
+
+
+def _reference_model(loss_fn, tx, model, batches, m, has_aux, device):
+    """The one-device nnx loop: nnx.value_and_grad and an nnx.Optimizer, on the whole (micro-)batch."""
+    with jax.default_device(device):
+        model = nnx.clone(model)
+        nnx.update(model, jax.device_put(nnx.state(model), device))
+        opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+        @nnx.jit
+        def step(model, opt, batch):
+            (loss, aux), grads = nnx.value_and_grad(_with_aux(loss_fn, has_aux), has_aux=True)(model, batch)
+            opt.update(model, grads)
+            return loss, aux
+
+        def parts(model):
+            _, params, _, rest = nnx.split(model, nnx.Param, nnx.RngState, ...)
+            return {"params": jax.device_get(params), "model_state": jax.device_get(rest)}
+
+        initial = parts(model)
+        losses, auxes = [], []
+        for batch in batches:
+            outs = [step(model, opt, jax.device_put(micro, device)) for micro in micro_batches(batch, m)]
+            losses.append(_mean([o[0] for o in outs]))
+            auxes.append(jax.tree.map(lambda *xs: _mean(xs), *[o[1] for o in outs]))
+        return initial, parts(model), jax.device_get(losses), jax.device_get(auxes)
+
+
+def _with_aux(loss_fn, has_aux):
+    if has_aux:
+        return loss_fn
+    return lambda *args: (loss_fn(*args), {})
+
+
+def _mean(values):
+    values = [np.asarray(v) for v in values]
+    return values[0] if len(values) == 1 else np.mean(np.stack(values).astype(np.float64), 0).astype(values[0].dtype)
