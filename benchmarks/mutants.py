@@ -528,7 +528,7 @@ MUTANTS = [
     Mutant("ctrl_c_left_to_keyboardinterrupt", "run/exits.py",
            "return signal.signal(signal.SIGINT, _interrupted)",
            "return None",  # swallowed in jax's gc callback ("Exception ignored"), the run goes on
-           ("tests/test_cli_edges.py::test_ctrl_c_at_start_up_prints_one_line_and_exits_130",)),
+           ("tests/test_cli_edges.py::test_ctrl_c_in_a_gc_callback_prints_one_line_and_exits_130",)),
     Mutant("ctrl_c_handler_after_the_command_line_imports", "run/entry.py",
            "    quiet_interrupts()\n    from jdp.run.cli import main as run",
            "    from jdp.run.cli import main as run\n    quiet_interrupts()",  # a Ctrl-C while argparse loads: a traceback

@@ -63,13 +63,33 @@ if {0!r} == "atexit":
 """
 
 
-def _jdp_script(folder, sigint_at: str) -> str:
-    """The script pip writes for pyproject's `jdp` entry point, in `folder`, with SIGINT_AT run first."""
+# Run first in a `jdp` script: as the command line starts importing (the handler is installed by
+# then), a garbage collection whose callback sends SIGINT and goes on running Python code, as jax's
+# gc callback does after a long call into XLA.
+SIGINT_IN_GC = """import gc, os, signal, sys
+def sigint_in_gc(phase, info):
+    if phase == "start":
+        gc.callbacks.remove(sigint_in_gc)
+        os.kill(os.getpid(), signal.SIGINT)
+        sum(range(1000))
+class CollectAt:
+    def find_spec(self, name, path=None, target=None):
+        if name == "jdp.run.cli":
+            gc.callbacks.append(sigint_in_gc)
+            gc.collect()
+        return None
+sys.meta_path.insert(0, CollectAt())
+"""
+
+
+def _jdp_script(folder, sigint_at: str, first: str = SIGINT_AT) -> str:
+    """The script pip writes for pyproject's `jdp` entry point, in `folder`, with `first` (SIGINT_AT
+    for the module `sigint_at`) run first."""
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
         module, function = tomllib.load(f)["project"]["scripts"]["jdp"].split(":")
     path = os.path.join(folder, "jdp")
     with open(path, "w") as f:
-        f.write(SIGINT_AT.format(sigint_at) + f"import re\nimport sys\nfrom {module} import {function}\n"
+        f.write(first.format(sigint_at) + f"import re\nimport sys\nfrom {module} import {function}\n"
                 "if __name__ == '__main__':\n"
                 "    sys.argv[0] = re.sub(r'(-script\\.pyw|\\.exe)?$', '', sys.argv[0])\n"
                 f"    sys.exit({function}())\n")
@@ -95,6 +115,16 @@ def test_ctrl_c_from_jdps_first_line_prints_one_line_and_exits_130(tmp_path):
     out = subprocess.run([sys.executable, _jdp_script(tmp_path, "jdp"), "--version"], capture_output=True, text=True,
                          env=ENV, cwd=tmp_path, timeout=120)
     assert out.returncode == -signal.SIGINT and out.stderr.endswith("\nKeyboardInterrupt\n"), out.stderr[-1500:]
+
+
+def test_ctrl_c_in_a_gc_callback_prints_one_line_and_exits_130(tmp_path):
+    """A KeyboardInterrupt raised inside a garbage-collection callback is printed by Python as
+    "Exception ignored" and the command carries on (a `jdp train` then trains on): jdp's handler
+    ends the process from inside the callback instead, with one line and 130."""
+    script = _jdp_script(tmp_path, "", SIGINT_IN_GC.replace("{", "{{").replace("}", "}}"))
+    out = subprocess.run([sys.executable, script, "--version"], capture_output=True, text=True, env=ENV, cwd=tmp_path,
+                         timeout=120)
+    assert (out.returncode, out.stderr, out.stdout) == (130, INTERRUPTED, ""), out.stderr[-1500:]
 
 
 def test_import_jdp_leaves_ctrl_c_to_python():
