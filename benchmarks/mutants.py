@@ -223,6 +223,26 @@ MUTANTS = [
            "grads = jax.tree.map(lambda g, leaf: g.astype(leaf.dtype), grads, self.cuts.struct)",
            "grads = grads",  # the gradient w.r.t. bf16 params is summed in bf16 though reduce_dtype is float32
            ("tests/test_fsdp.py::test_model_state_mask_aux_and_bf16_compute",)),
+    Mutant("scanned_gpt_swaps_its_dropout_keys", "models/gpt.py",
+           "jnp.stack([rngs.dropout(), rngs.dropout()])",
+           "jnp.stack([rngs.dropout(), rngs.dropout()][::-1])",  # the scanned GPT drops other units than the unrolled
+           ("tests/test_models.py::test_gpt_scanned_is_the_same_model",)),
+    Mutant("scanned_gpt_blocks_from_split_rngs", "models/gpt.py",
+           "blocks = [Block(*args, rngs=rngs, **kwargs) for _ in range(n_layers)]",
+           "blocks = [Block(*args, rngs=rngs.fork(), **kwargs) for _ in range(n_layers)]",  # other initial params
+           ("tests/test_models.py::test_gpt_scanned_is_the_same_model",)),
+    Mutant("fsdp_gpt_not_scanned_by_default", "run/config.py",
+           'if written.model.name != "gpt" or not written.parallel.shard_params or "scan_layers" in model:',
+           "if True:",  # FSDP gathers the GPT whole again
+           ("tests/test_fsdp_layers.py::test_jdp_train_scans_the_gpt_per_layer_under_fsdp_unless_the_config_says",)),
+    Mutant("fsdp_gpt_scanned_without_a_word", "run/cli.py",
+           "for line in (scaled, layered):",
+           "for line in (scaled,):",  # the model scanned and rematerialised, and the user not told
+           ("tests/test_fsdp_layers.py::test_jdp_train_and_jdp_memory_gather_a_gpt_per_layer_by_default",)),
+    Mutant("fsdp_gpt_scanned_over_the_configs_choice", "run/config.py",
+           'or not written.parallel.shard_params or "scan_layers" in model:',
+           "or not written.parallel.shard_params:",  # a config's scan_layers=false overruled
+           ("tests/test_fsdp_layers.py::test_jdp_train_scans_the_gpt_per_layer_under_fsdp_unless_the_config_says",)),
     Mutant("hybrid_blocks_not_summed_across_groups", "core/zero.py",
            "return tree if self.replica_axis is None else lax.psum(tree, self.replica_axis)",
            "return tree",  # each replica group steps on its own share of the batch
@@ -550,8 +570,8 @@ MUTANTS = [
            "if False:",  # --set optim.warmup_steps=40 --steps 20 would quietly train with 2
            ("tests/test_config.py::test_steps_shorter_than_the_warmup_keep_its_fraction_and_a_set_warmup_wins",)),
     Mutant("scaled_warmup_not_said", "run/cli.py",
-           "        print(scaled)\n",
-           "        pass\n",  # the run's warmup changes without a word
+           "for line in (scaled, layered):",
+           "for line in (layered,):",  # the run's warmup changes without a word
            ("tests/test_feedback.py::test_steps_shorter_than_the_warmup_run_with_its_fraction_and_resume_as_they_ran",)),
     Mutant("shipped_config_not_found_by_name", "run/shipped.py",
            'return os.path.join(CONFIG_DIR, name + ".yaml")',

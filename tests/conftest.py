@@ -154,6 +154,8 @@ QUICK = (
     "test_blockwise.py", "test_sharded_optax.py::test_optimizer_as_written_equals_one_device[clip_adamw_mask-zero1]",
     "test_fsdp_layers.py::test_the_loop_gathers_each_layer_and_reduce_scatters_its_gradient",
     "test_fsdp_layers.py::test_per_layer_gathering_equals_one_device[fp32]", "test_fsdp_layers.py::test_refusals",
+    "test_fsdp_layers.py::test_jdp_train_scans_the_gpt_per_layer_under_fsdp_unless_the_config_says",
+    "test_models.py::test_gpt_scanned_is_the_same_model",
     "test_fsdp_patterns.py::test_scanned_model_gathers_per_layer_and_equals_one_device[linen]",
     "test_hybrid.py::test_hybrid_sharding_equals_one_device[sgd-fsdp-2-None]",
     "test_hybrid.py::test_hybrid_sharding_equals_one_device[adamw_clip-fsdp-2-None]",

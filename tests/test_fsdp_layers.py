@@ -111,6 +111,45 @@ def test_trainer_scanned_gpt_gathers_per_layer_under_shard_params(tmp_path):
     assert 0 < first[1]["memory_peak_bytes"] < first[0]["memory_peak_bytes"]
 
 
+def test_jdp_train_scans_the_gpt_per_layer_under_fsdp_unless_the_config_says(tmp_path):
+    from jdp.run.config import fsdp_layer_defaults
+
+    gpt = ["model.name=gpt", "data.name=chars", "parallel.shard_params=true"]
+    assert fsdp_layer_defaults(None, gpt) == (
+        ["model.scan_layers=true", "model.remat=true"], "model.scan_layers=true, model.remat=true: under "
+        "parallel.shard_params the GPT gathers one layer at a time (the same model, its layers scanned); set "
+        "model.scan_layers=false to gather it whole")
+    assert fsdp_layer_defaults(None, [*gpt, "model.remat=false"])[0] == ["model.scan_layers=true"]
+    for own in (["model.scan_layers=false"], ["model.scan_layers=true"], ["parallel.shard_params=false"]):
+        assert fsdp_layer_defaults(None, [*gpt, *own]) == ([], None)
+    assert fsdp_layer_defaults(None, ["parallel.shard_params=true"]) == ([], None)  # the MLP has no layers to scan
+    config = tmp_path / "gpt.yaml"
+    config.write_text("model: {name: gpt, scan_layers: false}\ndata: {name: chars}\nparallel: {shard_params: true}\n")
+    assert fsdp_layer_defaults(str(config), []) == ([], None)  # the file's own choice
+
+
+def test_jdp_train_and_jdp_memory_gather_a_gpt_per_layer_by_default(tmp_path, capsys):
+    from jdp.run.cli import main
+
+    small = [f"--set={key}" for key in ("model.name=gpt", "data.name=chars", "model.d_model=16", "model.n_heads=2",
+                                        "model.n_layers=2", "model.context=16", "data.batch_size=16")]
+    def train(name, *extra):
+        assert main(["train", *small, *extra, "--steps", "3", "--log-every", "1", "--devices", "4", "--workdir",
+                     str(tmp_path / name), "--no-progress"]) == 0
+        losses = [json.loads(line).get("loss") for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        return capsys.readouterr().out, [loss for loss in losses if loss is not None]
+
+    out, fsdp = train("fsdp", "--set=parallel.shard_params=true")
+    assert "model.scan_layers=true, model.remat=true: under parallel.shard_params" in out
+    assert "gathered per layer, by the model" in next(line for line in out.splitlines() if line.startswith("memory"))
+    out, replicated = train("replicated")
+    assert "scan_layers" not in out and len(fsdp) == 3
+    np.testing.assert_allclose(fsdp, replicated, rtol=1e-5)  # the same model and dropout masks, scanned or not
+    assert main(["memory", *small, "--devices", "4"]) == 0
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[2:]}
+    assert "per layer" in rows["FSDP"] and "per layer" not in rows["ZeRO-1"]
+
+
 def test_jdp_memory_prints_the_three_layouts(capsys):
     from jdp.run.cli import main
 

@@ -1,6 +1,5 @@
 """The NNX models (CNN with (Sync)BatchNorm, GPT with call-time dropout keys) and a Linen model
 trained through make_train_step."""
-import os
 import pathlib
 import re
 import subprocess
@@ -167,6 +166,25 @@ def test_gpt_param_count_and_no_rng_state(gpt):
     # Nothing but params: no RNG keys or counters that merge/split would carry between steps.
     assert jax.tree.leaves(rest) == []
     assert jax.tree.leaves(nnx.state(model, nnx.RngState)) == []
+
+
+def test_gpt_scanned_is_the_same_model(gpt):
+    """scan_layers=True stacks the very blocks an unscanned GPT makes (the same initial params) and
+    draws their dropout keys in the same order (the same masks): only how the layers run differs."""
+    _, params, _, run, _ = gpt
+    scanned = GPT(VOCAB, CONTEXT, scan_layers=True, rngs=nnx.Rngs(0))
+    leaves = lambda tree: {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(tree)}  # noqa: E731
+    unrolled, stacked = leaves(params), leaves(nnx.state(scanned, nnx.Param))
+    assert sum(v.size for v in stacked.values()) == sum(v.size for v in unrolled.values())
+    for name, leaf in stacked.items():
+        for i in range(len(leaf)) if "['layers']" in name else ():
+            np.testing.assert_array_equal(leaf[i], unrolled[name.replace("['layers']", f"['blocks'][{i}]")])
+        if "['layers']" not in name:
+            np.testing.assert_array_equal(leaf, unrolled[name])
+    tok = jnp.asarray(tokens(4, 32, VOCAB))
+    want = run(params, tok, jax.random.key(1))  # dropout 0.1: other masks differ by more than 1e-2
+    np.testing.assert_allclose(scanned(tok, train=True, rngs=nnx.Rngs(dropout=jax.random.key(1))), want,
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_gpt_dropout_key_is_a_call_argument(gpt):

@@ -12,9 +12,9 @@ from `jax.nn.dot_product_attention(..., is_causal=True)` instead of a materialis
 params) and `remat=True` (each block is recomputed in the backward pass instead of storing its
 activations: less memory, one more forward pass of the blocks).
 
-`scan_layers=True` stacks the blocks' params (a leading axis of n_layers, made with `nnx.vmap`)
-and runs them in one `jax.lax.scan` whose body takes one layer's params; with remat the body is a
-`jax.checkpoint`. Every params use goes through `jdp.fsdp.gather`: the identity, except under
+`scan_layers=True` stacks the blocks' params (a leading axis of n_layers; the same blocks, made
+from the same Rngs, and the same dropout masks as without it) and runs them in one `jax.lax.scan`
+whose body takes one layer's params; with remat the body is a `jax.checkpoint`. Every params use goes through `jdp.fsdp.gather`: the identity, except under
 `shard_params=True, gather_in_model=True`, where the body gathers that one layer's params (and
 the backward pass reduce-scatters its gradient), so the compiled step holds about one layer whole.
 """
@@ -87,12 +87,17 @@ class Block(nnx.Module):
         self.proj = nnx.Linear(4 * d_model, d_model, **kw)
         self.drop2 = nnx.Dropout(dropout)
 
-    def __call__(self, x: jax.Array, mask: jax.Array | None, *, train: bool, rngs: nnx.Rngs | None) -> jax.Array:
-        """x (batch, T, d_model), mask (batch, 1, T, T) bool, or None for fused attention → (batch, T, d_model)."""
+    def __call__(self, x: jax.Array, mask: jax.Array | None, *, train: bool,
+                 rngs: nnx.Rngs | jax.Array | None) -> jax.Array:
+        """x (batch, T, d_model), mask (batch, 1, T, T) bool, or None for fused attention → (batch, T, d_model).
+
+        `rngs`: the Rngs both dropouts draw from, in order, or their two keys drawn ahead (shape (2,),
+        as the scanned GPT passes them), or None when dropout is off."""
+        first, second = (rngs, rngs) if rngs is None or isinstance(rngs, nnx.Rngs) else (rngs[0], rngs[1])
         h = self.attn(self.ln1(x), mask=mask, deterministic=True)
-        x = x + self.drop1(h, deterministic=not train, rngs=rngs)
+        x = x + self.drop1(h, deterministic=not train, rngs=first)
         h = self.proj(nnx.gelu(self.fc(self.ln2(x))))
-        return x + self.drop2(h, deterministic=not train, rngs=rngs)
+        return x + self.drop2(h, deterministic=not train, rngs=second)
 
 
 def _block_forward(block: Block, x: jax.Array, mask: jax.Array | None, train: bool,
@@ -108,13 +113,12 @@ _remat_block_forward = nnx.remat(_block_forward, static_argnums=(3,))
 
 
 def stacked_blocks(n_layers: int, *args, rngs: nnx.Rngs, **kwargs) -> Block:
-    """`n_layers` Blocks as one module whose params have a leading axis of n_layers (`nnx.vmap`)."""
-    @nnx.split_rngs(splits=n_layers)
-    @nnx.vmap(in_axes=(0,), out_axes=0)
-    def make(rngs):
-        return Block(*args, rngs=rngs, **kwargs)
-
-    return make(rngs)
+    """`n_layers` Blocks as one module whose params have a leading axis of n_layers. The Blocks are
+    made one after another from `rngs`, as an unscanned GPT makes them, and then stacked: scanning
+    the layers changes how they run, not their initial params."""
+    blocks = [Block(*args, rngs=rngs, **kwargs) for _ in range(n_layers)]
+    graphdef, _ = nnx.split(blocks[0])
+    return nnx.merge(graphdef, jax.tree.map(lambda *layers: jnp.stack(layers), *(nnx.state(b) for b in blocks)))
 
 
 def scan_blocks(layers: Block, x, mask, train: bool, rngs: nnx.Rngs | None, n_layers: int, remat: bool):
@@ -122,15 +126,15 @@ def scan_blocks(layers: Block, x, mask, train: bool, rngs: nnx.Rngs | None, n_la
 
     The body gathers its layer's params (`jdp.fsdp.gather`: a no-op unless the model gathers its
     own split params) and, with `remat`, is a `jax.checkpoint`: the backward pass gathers again
-    instead of keeping every layer's whole params. Dropout draws one key per layer.
+    instead of keeping every layer's whole params. The dropout keys are drawn ahead from `rngs`,
+    two per layer in the order the unscanned blocks draw them, so both forms drop the same units.
     """
     graphdef, stack = nnx.split(layers)
-    keys = None if rngs is None else jax.random.split(rngs.dropout(), n_layers)
+    keys = None if rngs is None else jnp.stack([jnp.stack([rngs.dropout(), rngs.dropout()]) for _ in range(n_layers)])
 
     def body(x, xs):
         layer, key = xs
-        block = nnx.merge(graphdef, gather(layer))
-        return block(x, mask, train=train, rngs=None if key is None else nnx.Rngs(dropout=key)), None
+        return nnx.merge(graphdef, gather(layer))(x, mask, train=train, rngs=key), None
 
     return jax.lax.scan(jax.checkpoint(body) if remat else body, x, (stack, keys))[0]
 

@@ -205,8 +205,6 @@ def train_workdir(args) -> str:
 
 
 def cmd_train(args) -> int:
-    import os
-
     if args.workdir == "":
         raise ValueError("--workdir '' is empty; name the run's directory (or leave --workdir out for "
                          "runs/<config name>).")
@@ -245,10 +243,11 @@ def cmd_train(args) -> int:
     return INTERRUPTED if result.stopped_by == "SIGINT" else 0  # Ctrl-C: checkpointed, yet interrupted
 
 
-def _train_config_and_devices(args) -> tuple:
-    """`jdp train`'s config (file, --set and the flags) and devices: this process's own, or every
-    process's once jax.distributed is initialised (--coordinator, --auto-distributed)."""
-    from jdp.run.config import load_config, steps_override
+def _train_config_and_devices(args, layer_defaults: bool = True) -> tuple:
+    """`jdp train`'s config (file, --set and the flags; with `layer_defaults`, a GPT under FSDP scanned
+    per layer unless the config says otherwise) and devices: this process's own, or every process's
+    once jax.distributed is initialised (--coordinator, --auto-distributed)."""
+    from jdp.run.config import fsdp_layer_defaults, load_config, steps_override
     from jdp.run.shipped import resolve_config
 
     distributed = args.coordinator is not None or args.auto_distributed
@@ -260,9 +259,14 @@ def _train_config_and_devices(args) -> tuple:
     if args.steps is not None:  # a short run of a config whose warmup outlasts it keeps its warmup fraction
         added, scaled = steps_override(path, args.set, args.steps)
         overrides += added
+    layered = None
+    if layer_defaults:
+        added, layered = fsdp_layer_defaults(path, overrides)
+        overrides += added
     config = load_config(path, overrides)  # a bad config fails before any device is set up
-    if scaled and not args.process_id:  # one line, from process 0 (or the only one)
-        print(scaled)
+    for line in (scaled, layered):
+        if line and not args.process_id:  # one line, from process 0 (or the only one)
+            print(line)
     if not distributed:
         if args.num_processes or args.process_id is not None:
             raise ValueError("--num-processes and --process-id need --coordinator HOST:PORT.")
@@ -346,10 +350,13 @@ def cmd_explain(args) -> int:
 def cmd_memory(args) -> int:
     args.steps = args.log_every = args.checkpoint_every = args.coordinator = args.num_processes = None
     args.auto_distributed, args.process_id, args.profile_steps = False, None, None
-    config, devices = _train_config_and_devices(args)
+    config, devices = _train_config_and_devices(args, layer_defaults=False)
+    from jdp.run.config import fsdp_layer_defaults
     from jdp.run.memory_table import memory_table, render
+    from jdp.run.shipped import resolve_config
 
-    print(render(memory_table(config, devices), len(devices)))
+    per_layer, _ = fsdp_layer_defaults(resolve_config(args.config), [*args.set, "parallel.shard_params=true"])
+    print(render(memory_table(config, devices, fsdp_extra=per_layer), len(devices)))
     return 0
 
 

@@ -197,6 +197,24 @@ def steps_override(path, overrides: Iterable[str], steps: int) -> tuple[list[str
         f"({warmup} of {config_steps} steps)")
 
 
+def fsdp_layer_defaults(path, overrides: Iterable[str]) -> tuple[list[str], str | None]:
+    """What `jdp train` adds to `overrides` for the config file `path` (None: the defaults) when it
+    trains the GPT under parallel.shard_params and neither the file nor `overrides` sets
+    model.scan_layers: `model.scan_layers=true` and, unless set, `model.remat=true`, so that FSDP
+    gathers one layer at a time inside the rematerialised scan (the step's peak holds about one
+    layer's whole params and gradient, not the model's). Scanning changes how the layers run, not
+    the model: the same initial params and dropout masks. Returns the overrides and the line that
+    says what was set (None if nothing was)."""
+    data, source = _read_with_overrides(path, overrides)
+    written = _config_as_written(data, source)
+    model = data.get("model") or {}
+    if written.model.name != "gpt" or not written.parallel.shard_params or "scan_layers" in model:
+        return [], None
+    added = ["model.scan_layers=true", *([] if "remat" in model else ["model.remat=true"])]
+    return added, (f"{', '.join(added)}: under parallel.shard_params the GPT gathers one layer at a time (the same "
+                   f"model, its layers scanned); set model.scan_layers=false to gather it whole")
+
+
 def apply_overrides(config: Config, overrides: Iterable[str]) -> Config:
     """A new config: `config` with `"section.key=value"` overrides applied (checked as in load_config)."""
     return config_from_dict(_apply_overrides(config.to_dict(), overrides))
@@ -343,4 +361,5 @@ def config_hash(config: Config) -> str:
 __all__ = ["ADDED_DEFAULTS", "ATTENTIONS", "Config", "ConfigError", "DATASETS", "DataConfig", "HASH_EXCLUDED",
            "MODELS", "MODEL_DATA", "ModelConfig", "OptimConfig", "PLACEMENT_ONLY", "ParallelConfig", "SECTIONS",
            "TrainConfig", "apply_overrides", "config_from_dict", "config_hash", "field_docs",
-           "identity_hash", "load_config", "run_identity", "schedule_uses_steps", "steps_override", "validate"]
+           "fsdp_layer_defaults", "identity_hash", "load_config", "run_identity", "schedule_uses_steps", "steps_override",
+           "validate"]

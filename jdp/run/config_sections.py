@@ -93,7 +93,9 @@ class ModelConfig(Section):
     """gpt only: stack the blocks' params and run them in one lax.scan (with model.remat, a
     rematerialised scan body). Under parallel.shard_params each layer's params are then gathered
     inside the scan body and its gradient reduce-scattered there: the step's peak holds about one
-    layer whole instead of the model. Other models refuse true."""
+    layer whole instead of the model. The same model either way (initial params, dropout masks);
+    the checkpoint stacks the layers. Unset, `jdp train` turns it and model.remat on for the gpt
+    under parallel.shard_params, and says so. Other models refuse true."""
 
     _section: ClassVar[str] = "model"
     _rules: ClassVar[dict[str, Rule]] = dict(

@@ -11,10 +11,11 @@ LAYOUTS = {"replicated": ["parallel.shard_optimizer_state=false", "parallel.shar
            "FSDP": ["parallel.shard_optimizer_state=true", "parallel.shard_params=true"]}
 
 
-def memory_table(config: Config, devices) -> list[dict]:
+def memory_table(config: Config, devices, fsdp_extra: list[str] = ()) -> list[dict]:
     """One row per layout (replicated, ZeRO-1, FSDP; FSDP gathers per layer for a scanned GPT): the
     state between steps and the compiled step's peak, bytes per device (`jdp.memory_report`), for
-    the config's model, optimizer and micro-batch on `devices`. Compiles each step; runs none."""
+    the config's model, optimizer and micro-batch on `devices`; `fsdp_extra`: overrides of the FSDP
+    row only (`jdp train`'s per-layer defaults, `fsdp_layer_defaults`). Compiles each step; runs none."""
     import jax
 
     from jdp.data import make_batches
@@ -30,7 +31,7 @@ def memory_table(config: Config, devices) -> list[dict]:
     for name, layout in LAYOUTS.items():
         if config.parallel.backend != "shard_map" and name != "replicated":
             continue  # pmap keeps a whole copy per device
-        row = apply_overrides(config, layout)
+        row = apply_overrides(config, [*layout, *(fsdp_extra if name == "FSDP" else ())])
         row_task = build_task(row) if row.model.sync_batchnorm else task  # BatchNorm's axes follow the groups
         step = train_step_for(row, row_task, devices)
         state = step.init(row_task.params, row_task.model_state, seed=config.train.seed)
