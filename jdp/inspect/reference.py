@@ -71,8 +71,6 @@ def reference_weighted(setup, batches, m: int, axis: str, device):
         updates, opt_state = setup.tx.update(jax.tree.map(lambda g: g / weight, grads), opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
-    one = lambda tree: jax.tree.map(lambda x: x[None], tree)  # noqa: E731
-    first = lambda tree: jax.tree.map(lambda x: x[0], tree)  # noqa: E731
     step_sums = jax.jit(jax.vmap(sums, axis_name=axis))
     step_update = jax.jit(update)
     params = jax.device_put(setup.start, device)
@@ -82,8 +80,8 @@ def reference_weighted(setup, batches, m: int, axis: str, device):
     for batch in batches:
         acc = None
         for micro in micro_batches(batch, m):
-            grads, value, w, aux, new_state = first(step_sums(one(params), one(model_state),
-                                                              one(jax.device_put(micro, device))))
+            grads, value, w, aux, new_state = _first(step_sums(_one(params), _one(model_state),
+                                                               _one(jax.device_put(micro, device))))
             model_state = new_state
             call = (grads, value, w, aux)
             acc = call if acc is None else jax.tree.map(jnp.add, acc, call)
@@ -124,6 +122,7 @@ def own_count_hint(setup, batch, devices: int, axis: str) -> str | None:
 
 
 def micro_batches(batch, m: int) -> list:
+    """`batch` (every leaf with the same leading axis) as `m` consecutive micro-batches of equal size."""
     rows = {np.shape(x)[0] for x in jax.tree.leaves(batch)}
     if len(rows) != 1:
         raise ValueError(f"every leaf of a batch needs the same leading (batch) axis; got sizes {sorted(rows)}.")
@@ -141,31 +140,26 @@ def _reference_params(setup, tx, batches, m, axis: str, device):
 
     def one_device(params, opt_state, model_state, batch):
         def loss(p):
-            out = setup.loss_fn(p, model_state, batch) if setup.has_state else setup.loss_fn(p, batch)
-            if setup.has_aux and setup.has_state:
-                return out
-            if setup.has_aux:
-                return out[0], (out[1], model_state)
-            return (out[0], ({}, out[1])) if setup.has_state else (out, ({}, model_state))
+            value, aux, new_state = _call(setup, p, model_state, batch)
+            return value, (aux, new_state)
 
         (value, (aux, new_state)), grads = jax.value_and_grad(loss, has_aux=True)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, new_state, value, aux
 
     step = jax.jit(jax.vmap(one_device, axis_name=axis))
-    one = lambda tree: jax.tree.map(lambda x: x[None], tree)  # noqa: E731
     params = jax.device_put(setup.start, device)
     model_state = jax.device_put(setup.model_state if setup.has_state else (), device)
-    carry = one((params, tx.init(params), model_state))
+    carry = _one((params, tx.init(params), model_state))
     losses, auxes = [], []
     for batch in batches:
         outs = []
         for micro in micro_batches(batch, m):
-            *carry, loss, aux = step(*carry, one(jax.device_put(micro, device)))
-            outs.append((loss[0], jax.tree.map(lambda x: x[0], aux)))
+            *carry, loss, aux = step(*carry, _one(jax.device_put(micro, device)))
+            outs.append((loss[0], _first(aux)))
         losses.append(_mean([o[0] for o in outs]))
         auxes.append(jax.tree.map(lambda *xs: _mean(xs), *[o[1] for o in outs]))
-    params, _, model_state = jax.tree.map(lambda x: x[0], jax.device_get(carry))
+    params, _, model_state = _first(jax.device_get(carry))
     initial = {"params": jax.device_get(setup.start)}
     final = {"params": params}
     if setup.has_state:
@@ -197,6 +191,15 @@ def _reference_model(loss_fn, tx, model, batches, m, has_aux, device):
             losses.append(_mean([o[0] for o in outs]))
             auxes.append(jax.tree.map(lambda *xs: _mean(xs), *[o[1] for o in outs]))
         return initial, parts(model), jax.device_get(losses), jax.device_get(auxes)
+
+
+def _one(tree):
+    """`tree` with a leading axis of size 1: one device's slot of the vmap that binds the loss's axis."""
+    return jax.tree.map(lambda x: x[None], tree)
+
+
+def _first(tree):
+    return jax.tree.map(lambda x: x[0], tree)
 
 
 def _with_aux(loss_fn, has_aux):
