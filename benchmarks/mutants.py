@@ -650,6 +650,23 @@ MUTANTS = [
            'print(f"jdp: error: {e}.", file=sys.stderr)',
            'print(f"jdp: error: {e}", file=sys.stderr)',  # the CLI's own part of a quoted line
            ("tests/test_docs.py::test_every_console_line_the_pages_quote_is_what_jdp_prints",)),
+    # issue 39: docs and reality
+    Mutant("quoted_flag_renamed", "run/cli.py",
+           'train.add_argument("--profile-steps", ',
+           'train.add_argument("--profile-range", ',  # docs/training.md still says --profile-steps 20:25
+           ("tests/test_docs.py::test_every_command_the_pages_quote_is_one_jdp_takes",)),
+    Mutant("quoted_interrupt_line_reworded", "run/exits.py",
+           "_INTERRUPTED_LINE = \"jdp: interrupted (Ctrl-C); a run's",
+           "_INTERRUPTED_LINE = \"jdp: stopped (Ctrl-C); a run's",
+           ("tests/test_docs.py::test_every_console_line_the_pages_quote_is_what_jdp_prints",)),
+    Mutant("memory_progress_silent", "run/cli.py",
+           "print(line, file=sys.stderr, flush=True)",
+           "pass",  # jdp memory silent for minutes again
+           ("tests/test_fsdp_layers.py::test_jdp_memory_says_what_it_compiles_as_it_goes",)),
+    Mutant("memory_progress_counts_from_zero", "run/memory_table.py",
+           "layout=name, number=i + 1, total",
+           "layout=name, number=i, total",
+           ("tests/test_fsdp_layers.py::test_jdp_memory_says_what_it_compiles_as_it_goes",)),
 ]
 
 

@@ -28,11 +28,14 @@ INLINE = (
     ("docs/install.md", "jdp 0.1.0"),
     ("docs/install.md", "pip install 'jdp-train[plot]'"),
     ("docs/reliability.md", "stopping at step S on SIGTERM; checkpoint saved, rerun the same command to resume."),
+    ("docs/reliability.md", "stopping at step S on SIGINT; checkpoint saved, rerun the same command to resume."),
+    ("docs/reliability.md", "jdp: interrupted (Ctrl-C); a run's checkpoints already saved are intact."),
     ("docs/reliability.md", "process K stopped abnormally (...): a peer process died, lost its connection, or the "
                             "distributed runtime failed"),
     ("docs/reliability.md", "params of another structure (checkpoint: w (5, 3); this step: w (5, 4)), so it was "
                             "written with another model"),
     ("docs/reliability.md", "checkpoint: 0.count (), 0.mu.w (3,), 0.nu.w (3,); this step: no arrays"),
+    ("docs/fsdp.md", "jdp memory: compiling the ZeRO-1 step, 2 of 3 (...)"),
     ("docs/data.md", "item 5 of the source has 'x' of shape (4,) and dtype float32, but item 0's is (3,) float32"),
     ("docs/data.md", "cannot be opened (Permission denied)"),
     ("docs/data.md", "holds 201 bytes, not a whole number of uint16 tokens"),
@@ -183,7 +186,7 @@ def printed(tmp_path, monkeypatch, capsys) -> list[str]:
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "unraisablehook", sys.unraisablehook)  # jdp train's CLI wraps it
     said = [*_train_errors(monkeypatch, capsys), *_supervisor_lines(),
-            *_plot_and_version(tmp_path, monkeypatch, capsys), *_messages(tmp_path)]
+            *_plot_and_version(tmp_path, monkeypatch, capsys), *_interrupted(capsys), *_messages(tmp_path)]
     return [line.replace(str(tmp_path), HOME) for text in said for line in text.splitlines()]
 
 
@@ -323,8 +326,21 @@ def _plot_and_version(tmp_path, monkeypatch, capsys) -> list[str]:
     return [*said, capsys.readouterr().out]
 
 
+def _interrupted(capsys) -> list[str]:
+    """What the `jdp` command prints on a Ctrl-C outside training (`run_quietly`'s line, the one its
+    SIGINT handler writes), here from a KeyboardInterrupt raised inside the command."""
+    from jdp.run.exits import INTERRUPTED, run_quietly
+
+    def command():
+        raise KeyboardInterrupt
+
+    assert run_quietly(command) == INTERRUPTED
+    return [capsys.readouterr().err]
+
+
 def _messages(tmp_path) -> list[str]:
-    """The sentences the pages quote from the API and the trainer's log: a stop on SIGTERM, another
+    """The sentences the pages quote from the API and the trainer's log: a stop on SIGTERM, `jdp memory`'s
+    progress, another
     model's or optimizer's checkpoint restored, bad token files and items."""
     import jax
     import optax
@@ -333,7 +349,10 @@ def _messages(tmp_path) -> list[str]:
     from jdp.data import load_tokens, make_batches
     from jdp.run.records import stopping_line
 
-    said = [stopping_line("S", "SIGTERM")]
+    from jdp.run.memory_table import progress_line
+
+    said = [stopping_line("S", "SIGTERM"), stopping_line("S", "SIGINT"),
+            progress_line(63.1, layout="ZeRO-1", number=2, total=3)]
 
     def loss(params, batch):
         return ((batch["x"] @ params["w"]) ** 2).mean()

@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+import console_commands
 import console_quotes
 from benchmarks.common import child_env
 
@@ -167,6 +168,24 @@ def test_every_console_line_the_pages_quote_is_what_jdp_prints(tmp_path, monkeyp
     wrong = [f"{q.page}:{q.line}: {q.lines[0]}\n  closest printed: {closest(q)}" for q in quoted
              if console_quotes.missing(q, printed)]
     assert not wrong, "\n".join(wrong)
+
+
+def test_every_command_the_pages_quote_is_one_jdp_takes():
+    """Each shell command a page quotes (tests/console_commands.py finds them) is one that works as
+    written: a `jdp ...` line parses with jdp's own argument parser, a `python -m MODULE` names a
+    module, a `pip install` names extras pyproject.toml defines, and every page builds the wheel with
+    the same command. A wrong one is found by that check itself (the cases below)."""
+    found = console_commands.every_command()
+    assert len(found) >= 150 and sum(c.words[0] == "jdp" for c in found) >= 60
+    assert {"docs/training.md", "docs/install.md", "README.md"} <= {c.page for c in found}
+    assert console_commands.problems(found) == []
+    made_up = [console_commands.Command("p.md", 1, tuple(words.split())) for words in (
+        "jdp train --no-such-flag", "jdp trian", "python -m jdp.no_such_module", "pip install .[plots]",
+        "jdp memory CONFIG --devices 0")]
+    said = console_commands.problems(made_up + [console_commands.Command("q.md", 2, ("pip", "wheel", "."))] * 2
+                                     + [console_commands.Command("r.md", 3, ("pip", "wheel", "-w", "dist", "."))])
+    assert len(said) == 6 and said[-1].startswith("the wheel is built with 2 different commands"), said
+    assert [line.split(": ")[1] for line in said[:5]] == [str(c).split(": ")[1] for c in made_up], said
 
 
 def test_the_console_lines_the_pages_quote_are_what_jdp_train_prints(tmp_path):

@@ -158,3 +158,22 @@ def test_jdp_memory_prints_the_three_layouts(capsys):
     state = {line.split()[0]: int(line.split()[1].replace(",", "")) for line in lines[2:]}
     assert list(state) == ["replicated", "ZeRO-1", "FSDP"]
     assert state["replicated"] > state["ZeRO-1"] > state["FSDP"]  # params and optimizer state split in turn
+
+
+def test_jdp_memory_says_what_it_compiles_as_it_goes(capsys):
+    """`jdp memory` compiles three steps (minutes for a large model) before its table: it says on stderr
+    which one it is compiling and how long it has run, and stdout keeps the table alone."""
+    from jdp.run.cli import main
+
+    assert main(["memory", "seed_linear", "--devices", "2"]) == 0
+    said = capsys.readouterr()
+    assert [line.split()[0] for line in said.out.splitlines()[2:]] == ["replicated", "ZeRO-1", "FSDP"]
+    assert "jdp memory" not in said.out
+    lines = said.err.splitlines()
+    steps = [re.fullmatch(rf"jdp memory: compiling the {name} step, {i} of 3 \(([\d.]+) s so far\)", line)
+             for i, (name, line) in enumerate(zip(["replicated", "ZeRO-1", "FSDP"], lines[1:4]), 1)]
+    assert lines[0] == "jdp memory: building the linear model and its first batch (0.0 s so far)", lines
+    assert all(steps) and len(lines) == 5, lines
+    end = re.fullmatch(r"jdp memory: 3 step\(s\) compiled in ([\d.]+) s", lines[4])
+    seconds = [float(m.group(1)) for m in [*steps, end]]
+    assert seconds == sorted(seconds) and seconds[-1] > seconds[0], lines

@@ -84,3 +84,37 @@ def test_the_commands_work_from_another_directory(installed):
     assert "train.bin: " in out and (work / "tokens" / "val.bin").stat().st_size > 0
     out = _run([jdp, "plot", "runs/digits_mlp"], cwd=work, env=env)
     assert (work / "runs" / "digits_mlp" / "curves.png").read_bytes()[:4] == b"\x89PNG", out
+
+
+def _example_pointers() -> tuple[set[str], set[str]]:
+    """What the pages send a user to among the examples: the modules they run (`python -m jdp.examples.NAME`,
+    `--pyargs jdp.examples.NAME`) and the files they name (`jdp/examples/NAME.py`, a launch script)."""
+    import re
+
+    from console_quotes import pages, read
+
+    text = "\n".join(read(page) for page in pages())
+    modules = set(re.findall(r"(?:python -m|--pyargs) (jdp\.examples(?:\.[a-z_]\w*)?)", text))  # NAME: a placeholder
+    files = set(re.findall(r"jdp/examples/(\w+\.(?:py|sh))", text)) | set(re.findall(r"`(launch_\w+\.sh)`", text))
+    return modules, files
+
+
+def test_the_examples_the_pages_point_at_ship_in_the_wheel(installed):
+    """Every `python -m jdp.examples.NAME` and every file of jdp/examples/ a page names is in the installed
+    wheel; one of them runs there, and `python -m jdp.examples` lists the folder that holds them."""
+    bin_dir, work, env = installed
+    modules, files = _example_pointers()
+    assert {"jdp.examples", "jdp.examples.seed_demo", "jdp.examples.test_my_model"} <= modules, modules
+    assert {"launch_local.sh", "launch_slurm.sh", "test_my_model.py"} <= files, files
+    found = _run([str(bin_dir / "python"), "-c", "import importlib.util, os, sys, jdp.examples\n"
+                  "print(os.path.dirname(jdp.examples.__file__))\n"
+                  "for m in sys.argv[1:]: print(m, importlib.util.find_spec(m) is not None)", *sorted(modules)],
+                 cwd=work, env=env).splitlines()
+    folder = found[0]
+    assert folder.startswith(str(bin_dir.parent)), folder
+    assert [line for line in found[1:] if not line.endswith(" True")] == [], found
+    assert [f for f in sorted(files) if not os.path.isfile(os.path.join(folder, f))] == []
+    listing = _run([str(bin_dir / "python"), "-m", "jdp.examples"], cwd=work, env=env)
+    assert listing.startswith(f"jdp's examples are in {folder}:") and f"bash {folder}/launch_local.sh" in listing
+    out = _run([str(bin_dir / "python"), "-m", "jdp.examples.seed_demo"], cwd=work, env=env)
+    assert "mean (lax.pmean)                                 2    -8.5000   1.0850" in out, out

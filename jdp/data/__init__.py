@@ -2,7 +2,7 @@
 
 - Sources (one module each): in-memory arrays (`arrays`: `ArrayDataset`, `load_arrays`), any
   random-access object such as a `grain.MapDataset` (`sources`: `ItemSource`, `as_source`),
-  memory-mapped token files (`tokens`: `load_tokens`), ArrayRecord files (`array_record`:
+  token files read window by window (`tokens`: `load_tokens`), ArrayRecord files (`array_record`:
   `load_array_record`), and the datasets jdp ships (`datasets`: digits, a character corpus,
   the seed regressions; nothing downloads).
 - `order`: the order an epoch visits n examples in, a function of (seed, epoch, n).

@@ -356,7 +356,10 @@ def cmd_memory(args) -> int:
     from jdp.run.shipped import resolve_config
 
     per_layer, _ = fsdp_layer_defaults(resolve_config(args.config), [*args.set, "parallel.shard_params=true"])
-    print(render(memory_table(config, devices, fsdp_extra=per_layer), len(devices)))
+    def say(line):  # progress on stderr: stdout is the table alone, as `jdp memory CONFIG > table.txt` keeps it
+        print(line, file=sys.stderr, flush=True)
+
+    print(render(memory_table(config, devices, fsdp_extra=per_layer, say=say), len(devices)))
     return 0
 
 

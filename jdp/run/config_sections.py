@@ -111,7 +111,7 @@ class DataConfig(Section):
     name: str = "digits"
     """One of "digits" (scikit-learn's 8×8 digits), "chars" (a character corpus, for gpt),
     "seed_linear" (the seed regressions y = w·x, `jdp.data.SEED_REGRESSIONS`), "arrays" (your own .npz),
-    "tokens" (a flat file of token ids, nanoGPT's train.bin, memory-mapped; for gpt)."""
+    "tokens" (a flat file of token ids, nanoGPT's train.bin, read window by window; for gpt)."""
     path: str | None = None
     """arrays: a .npz file holding arrays "x" and "y"; tokens: the training token file (relative to
     the working directory). Its windows of model.context tokens tile it (`jdp.data.load_tokens`)."""

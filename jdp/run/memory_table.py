@@ -1,6 +1,8 @@
 """`jdp memory CONFIG`: bytes per device of a config's step in each layout, without training."""
 from __future__ import annotations
 
+import time
+
 from jdp.run.config import Config, apply_overrides
 from jdp.run.tasks import build_task, train_step_for
 
@@ -11,16 +13,21 @@ LAYOUTS = {"replicated": ["parallel.shard_optimizer_state=false", "parallel.shar
            "FSDP": ["parallel.shard_optimizer_state=true", "parallel.shard_params=true"]}
 
 
-def memory_table(config: Config, devices, fsdp_extra: list[str] = ()) -> list[dict]:
+def memory_table(config: Config, devices, fsdp_extra: list[str] = (), say=None) -> list[dict]:
     """One row per layout (replicated, ZeRO-1, FSDP; FSDP gathers per layer for a scanned GPT): the
     state between steps and the compiled step's peak, bytes per device (`jdp.memory_report`), for
     the config's model, optimizer and micro-batch on `devices`; `fsdp_extra`: overrides of the FSDP
-    row only (`jdp train`'s per-layer defaults, `fsdp_layer_defaults`). Compiles each step; runs none."""
+    row only (`jdp train`'s per-layer defaults, `fsdp_layer_defaults`). Compiles each step; runs none.
+    `say(line)` hears what it is doing as it goes (`progress_line`): each step it compiles, with the
+    seconds since it started (a large model's three compilations take minutes)."""
     import jax
 
     from jdp.data import make_batches
     from jdp.inspect.memory import memory_report
 
+    start, say = time.perf_counter(), say or (lambda line: None)
+    names = [n for n in LAYOUTS if config.parallel.backend == "shard_map" or n == "replicated"]  # pmap: whole copies
+    say(progress_line(0.0, model=config.model.name))
     task, rows = build_task(config), []
     batches = make_batches(task.train, config.data.batch_size, seed=config.train.seed, transform=task.transform,
                            process_index=jax.process_index(), num_processes=jax.process_count())
@@ -28,16 +35,27 @@ def memory_table(config: Config, devices, fsdp_extra: list[str] = ()) -> list[di
         first = next(batches)
     finally:
         batches.close()
-    for name, layout in LAYOUTS.items():
-        if config.parallel.backend != "shard_map" and name != "replicated":
-            continue  # pmap keeps a whole copy per device
-        row = apply_overrides(config, [*layout, *(fsdp_extra if name == "FSDP" else ())])
+    for i, name in enumerate(names):
+        say(progress_line(time.perf_counter() - start, layout=name, number=i + 1, total=len(names)))
+        row = apply_overrides(config, [*LAYOUTS[name], *(fsdp_extra if name == "FSDP" else ())])
         row_task = build_task(row) if row.model.sync_batchnorm else task  # BatchNorm's axes follow the groups
         step = train_step_for(row, row_task, devices)
         state = step.init(row_task.params, row_task.model_state, seed=config.train.seed)
         report = memory_report(step, state, step.micro_batches(first)[0])
         rows.append({"layout": name, "how": report.layout, "state": report.state, "peak": report.allocated})
+    say(progress_line(time.perf_counter() - start, total=len(names)))
     return rows
+
+
+def progress_line(seconds: float, model: str | None = None, layout: str | None = None, number: int = 0,
+                  total: int = 0) -> str:
+    """The line `jdp memory` prints `seconds` after it began: as it builds `model`'s task, as it starts
+    compiling `layout`'s step (number `number` of `total`), or, with neither, once all `total` are compiled."""
+    if model is not None:
+        return f"jdp memory: building the {model} model and its first batch ({seconds:.1f} s so far)"
+    if layout is not None:
+        return f"jdp memory: compiling the {layout} step, {number} of {total} ({seconds:.1f} s so far)"
+    return f"jdp memory: {total} step(s) compiled in {seconds:.1f} s"
 
 
 def render(rows: list[dict], devices: int) -> str:

@@ -2,7 +2,7 @@
 
 Run it on 4 fake CPU devices (no accelerator needed):
 
-    pytest -p jdp.testing --jdp-devices 4 examples/test_my_model.py
+    pytest -p jdp.testing --jdp-devices 4 --pyargs jdp.examples.test_my_model   # a checkout: examples/test_my_model.py
 
 or put `addopts = "-p jdp.testing"` and `jdp_devices = "4"` under `[tool.pytest.ini_options]` in
 your pyproject.toml and run `pytest`. Replace `MyModel`, `loss_fn` and the batches with yours.

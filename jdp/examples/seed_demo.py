@@ -1,6 +1,6 @@
 """The "Why average?" seed example of docs/why-average.md, run through jdp's public API.
 
-    python examples/seed_demo.py
+    python -m jdp.examples.seed_demo
 
 `y = w·x`, mean-squared error, `w = 1`, SGD with `lr = 0.01`, `x = [2, 3, 1, 4]`, `t = [3, 5, 2, 6]`
 (`jdp.data.load_seed_regression(1)`), one step each way:

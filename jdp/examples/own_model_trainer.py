@@ -1,6 +1,6 @@
 """Your own Flax NNX model, loss and arrays through jdp's full trainer.
 
-    python examples/own_model_trainer.py [WORKDIR]
+    python -m jdp.examples.own_model_trainer [WORKDIR]
 
 Checkpoints, exact resume (run it twice, or stop it with Ctrl-C and run it again), progress,
 `WORKDIR/metrics.jsonl`, held-out evaluation and multi-process runs come from `jdp.train.train`;

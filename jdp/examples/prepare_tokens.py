@@ -1,7 +1,7 @@
 """Turn a local text into nanoGPT-style token files, `train.bin` and `val.bin`, with a byte-level tokenizer.
 
-    python examples/prepare_tokens.py --out runs/pyref_tokens        # the Python Language Reference text
-    python examples/prepare_tokens.py --text my_corpus.txt --out runs/mine --val-fraction 0.05
+    python -m jdp.examples.prepare_tokens --out runs/pyref_tokens        # the Python Language Reference text
+    python -m jdp.examples.prepare_tokens --text my_corpus.txt --out runs/mine --val-fraction 0.05
 
 The same as `jdp data prepare-tokens INPUT OUTPUT` (`jdp.data.prepare`, which ships with jdp and
 says the format and the split), kept for scripts written against this example. It prints the token

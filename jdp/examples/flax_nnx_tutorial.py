@@ -1,7 +1,7 @@
 # Flax's NNX MNIST tutorial, ported to jdp: the same CNN (BatchNorm, Dropout), optimizer, loss and
 # loop, trained data-parallel on 4 devices, on scikit-learn's bundled 8x8 digits instead of MNIST.
 #
-#     python examples/flax_nnx_tutorial.py      # about 20 s on a 2-core CPU; test accuracy about 0.98
+#     python -m jdp.examples.flax_nnx_tutorial      # about 20 s on a 2-core CPU; test accuracy about 0.98
 #
 # The tutorial: docs_nnx/mnist_tutorial.md in google/flax (Apache-2.0) as of Flax 0.12.0, its code
 # cells in order without the pip cell (164 lines, 133 non-blank), with `optimizer.update(model, grads)`

@@ -1,6 +1,6 @@
 """Train jdp's NNX MLP on scikit-learn's 8×8 digits with a hand-written loss and an aux metric.
 
-    python examples/digits_custom_loss.py
+    python -m jdp.examples.digits_custom_loss
 
 What it shows:
 

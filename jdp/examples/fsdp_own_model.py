@@ -1,6 +1,6 @@
 """Your own scanned model under per-layer FSDP, in Flax NNX and in Flax Linen.
 
-    python examples/fsdp_own_model.py
+    python -m jdp.examples.fsdp_own_model
 
 Each model runs a stack of blocks in a scan over a rematerialised body and gathers one block's
 params inside the body (`jdp.fsdp.gather`), so under `shard_params=True, gather_in_model=True` a

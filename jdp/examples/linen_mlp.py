@@ -1,6 +1,6 @@
 """Train a Flax Linen MLP on scikit-learn's 8×8 digits with jdp on 4 fake CPU devices.
 
-    python examples/linen_mlp.py
+    python -m jdp.examples.linen_mlp
 
 Expected: test accuracy about 0.97 (> 0.9) in a few seconds. jdp only needs a params pytree and
 `loss_fn(params, batch)`, so a Linen model plugs in through `model.apply({"params": params}, x)`.

@@ -1,7 +1,7 @@
 """Train jdp's small GPT on a character corpus with dropout, AdamW + warmup/cosine, and accumulation.
 
-    python examples/char_gpt.py            # the full run: 600 optimizer steps
-    python examples/char_gpt.py --steps 30 # a quick check
+    python -m jdp.examples.char_gpt            # the full run: 600 optimizer steps
+    python -m jdp.examples.char_gpt --steps 30 # a quick check
 
 What it shows:
 

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Several jdp processes on one host (e.g. one per GPU group, or fake CPU devices for a rehearsal).
-#   bash examples/launch_local.sh [PROCESSES] [DEVICES_PER_PROCESS] [CONFIG]
+#   bash launch_local.sh [PROCESSES] [DEVICES_PER_PROCESS] [CONFIG]     (python -m jdp.examples prints its folder)
 # Every process runs the same command; process 0 hosts the coordinator. SIGTERM/SIGINT to this
 # script reaches every process, which then save one checkpoint together and exit 0.
 set -euo pipefail
 processes=${1:-2}
 devices=${2:-2}
-config=${3:-configs/digits_mlp.yaml}
+config=${3:-digits_mlp}  # a shipped config's name, or a file
 port=${JDP_PORT:-12345}
 pids=()
 trap 'kill -TERM "${pids[@]}" 2>/dev/null; wait' INT TERM
