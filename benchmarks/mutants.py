@@ -667,6 +667,26 @@ MUTANTS = [
            "layout=name, number=i + 1, total",
            "layout=name, number=i, total",
            ("tests/test_fsdp_layers.py::test_jdp_memory_says_what_it_compiles_as_it_goes",)),
+    Mutant("comm_loop_flag_lost", "inspect/comm.py",
+           'f["loop_trips"] = trips.get(f["computation"], 1)',
+           'f["loop_trips"] = 1',  # every collective reported as outside any loop, as before
+           ("tests/test_fsdp_layers.py::test_the_loop_gathers_each_layer_and_reduce_scatters_its_gradient",)),
+    Mutant("comm_nested_loops_not_multiplied", "inspect/comm.py",
+           "None if n is None or k is None else n * k",
+           "None if n is None or k is None else max(n, k)",
+           ("tests/test_fsdp_layers.py::test_comm_report_counts_a_collective_once_per_iteration_of_the_loops_around_it",)),
+    Mutant("comm_loop_runs_counted_once", "inspect/comm.py",
+           ' * (c["loop_trips"] or 1),',
+           ",",  # a collective in a scan over L layers counted once per call, not L times
+           ("tests/test_fsdp_layers.py::test_the_loop_gathers_each_layer_and_reduce_scatters_its_gradient",)),
+    Mutant("gathered_nnx_module_not_gathered", "bridges/gathered.py",
+           "return nnx.merge(graphdef, gather(state))",
+           "return nnx.merge(graphdef, state)",
+           ("tests/test_fsdp_patterns.py::test_gathered_makes_a_modules_split_params_whole_and_changes_nothing_else",)),
+    Mutant("gathered_linen_reads_blocks", "bridges/gathered.py",
+           'nn.map_variables(module, "params", trans_in_fn=gather, init=True)',
+           'nn.map_variables(module, "params", trans_in_fn=lambda tree: tree, init=True)',
+           ("tests/test_fsdp_patterns.py::test_gathered_makes_a_modules_split_params_whole_and_changes_nothing_else",)),
 ]
 
 

@@ -2,7 +2,8 @@
 
 The public name of `jdp.core.fsdp`, where it is implemented; import it as `jdp.fsdp`.
 """
+from jdp.bridges.gathered import gathered
 from jdp.core.fsdp import FullyShardedLayout, host_whole, whole_params
 from jdp.core.split import Split, gather, is_split
 
-__all__ = ["FullyShardedLayout", "Split", "gather", "host_whole", "is_split", "whole_params"]
+__all__ = ["FullyShardedLayout", "Split", "gather", "gathered", "host_whole", "is_split", "whole_params"]

@@ -157,6 +157,8 @@ QUICK = (
     "test_fsdp_layers.py::test_per_layer_gathering_equals_one_device[fp32]", "test_fsdp_layers.py::test_refusals",
     "test_fsdp_layers.py::test_jdp_train_scans_the_gpt_per_layer_under_fsdp_unless_the_config_says",
     "test_fsdp_layers.py::test_jdp_memory_says_what_it_compiles_as_it_goes",
+    "test_fsdp_layers.py::test_comm_report_counts_a_collective_once_per_iteration_of_the_loops_around_it",
+    "test_fsdp_patterns.py::test_gathered_makes_a_modules_split_params_whole_and_changes_nothing_else",
     "test_models.py::test_gpt_scanned_is_the_same_model",
     "test_fsdp_patterns.py::test_scanned_model_gathers_per_layer_and_equals_one_device[linen]",
     "test_hybrid.py::test_hybrid_sharding_equals_one_device[sgd-fsdp-2-None]",

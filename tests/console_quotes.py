@@ -339,9 +339,9 @@ def _interrupted(capsys) -> list[str]:
 
 
 def _messages(tmp_path) -> list[str]:
-    """The sentences the pages quote from the API and the trainer's log: a stop on SIGTERM, `jdp memory`'s
-    progress, another
-    model's or optimizer's checkpoint restored, bad token files and items."""
+    """The sentences the pages quote from the API and the trainer's log: a stop on SIGTERM or SIGINT,
+    `jdp memory`'s progress, another model's or optimizer's checkpoint restored, bad token files and
+    items."""
     import jax
     import optax
 

@@ -56,13 +56,12 @@ def test_per_layer_gathering_equals_one_device(options):
 
 
 def in_loop(step, state):
-    """Collective kinds of the compiled step, split into those inside a while loop's body and the rest."""
-    hlo = step.lower(state, DATA[0]).compile().as_text()
-    bodies = set(re.findall(r"while\(.*?body=%?([\w.\-]+)", hlo))
+    """{(kind, inside a loop): how many} of the compiled step's collectives (`jdp.comm_report`); each one
+    inside runs once per layer."""
     found = {}
-    for c in parse_collectives(hlo):
-        key = (c["kind"], c["computation"] in bodies)
-        found[key] = found.get(key, 0) + 1
+    for c in jdp.comm_report(step, state, DATA[0]).collectives:
+        assert c.loop_trips == (LAYERS if c.in_loop else 1) and c.executions_per_update == c.loop_trips, c
+        found[c.kind, c.in_loop] = found.get((c.kind, c.in_loop), 0) + 1
     return found
 
 
@@ -73,10 +72,27 @@ def test_the_loop_gathers_each_layer_and_reduce_scatters_its_gradient():
     # forward body: every layer leaf gathered; backward body: gathered again (remat), and reduce-scattered
     assert found.get(("all-gather", True), 0) >= per_layer + 1
     assert found.get(("reduce-scatter", True), 0) == per_layer
+    assert found.get(("all-gather", False), 0) == found.get(("reduce-scatter", False), 0) > 0  # embeddings, head
     assert jdp.memory_report(step, state).gathered == "per layer, by the model (gather_in_model)"
     whole_step, whole_state, _ = run(4, shard_params=True)
     assert jdp.memory_report(whole_step, whole_state).gathered == "whole model, before the loss"
     assert not any(inside for _, inside in in_loop(whole_step, whole_state))  # the whole model, outside the loop
+
+
+def test_comm_report_counts_a_collective_once_per_iteration_of_the_loops_around_it():
+    """A psum inside a scan of 3 inside a scan of 2 runs 6 times per call; one after them, once."""
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    def body(x):
+        inner = lambda c, _: (jax.lax.psum(c, "d") * 0.5, None)  # noqa: E731
+        outer = lambda c, _: (jax.lax.scan(inner, c, None, length=3)[0], None)  # noqa: E731
+        return jax.lax.psum(jax.lax.scan(outer, x, None, length=2)[0] * 2.0, "d")
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("d",))
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P(), check_vma=False))
+    hlo = f.lower(np.ones((2, 4), np.float32)).compile().as_text()
+    runs = sorted((c["kind"], c["loop_trips"]) for c in parse_collectives(hlo))
+    assert runs == [("all-reduce", 1), ("all-reduce", 6)], runs
 
 
 def test_refusals():

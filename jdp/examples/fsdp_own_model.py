@@ -3,15 +3,13 @@
     python -m jdp.examples.fsdp_own_model
 
 Each model runs a stack of blocks in a scan over a rematerialised body and gathers one block's
-params inside the body (`jdp.fsdp.gather`), so under `shard_params=True, gather_in_model=True` a
+params inside the body (`jdp.fsdp.gathered`), so under `shard_params=True, gather_in_model=True` a
 device holds one layer whole at a time and the backward pass reduce-scatters each layer's
-gradient as it makes it. Outside that layout `jdp.fsdp.gather` returns its argument: the same
+gradient as it makes it. Outside that layout `jdp.fsdp.gathered` changes nothing: the same
 model code runs on one device, replicated or under ZeRO-1. The script trains each model 3 steps
 on one device and on 4 devices with per-layer FSDP, checks that the params agree, and prints the
-collectives the compiled step runs inside its scan loop.
+collectives the compiled step runs inside its scan loop (`jdp.comm_report`'s `in_loop`).
 """
-import re
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -22,7 +20,7 @@ from flax.training.train_state import TrainState
 
 import jdp
 import jdp.linen
-from jdp.inspect.comm import parse_collectives
+from jdp.fsdp import gathered
 
 LAYERS = 3
 RNG = np.random.default_rng(0)
@@ -34,20 +32,14 @@ def optimizer():  # clipping as written: the norm is over the whole gradient in 
     return optax.chain(optax.clip_by_global_norm(0.5), optax.sgd(0.3, momentum=0.9))
 
 
-# Flax NNX: stack the blocks with nnx.vmap, run them with nnx.scan over an nnx.remat'd body, and call a
-# copy of each module whose params are whole.
+# Flax NNX: stack the blocks with nnx.vmap, run them with nnx.scan over an nnx.remat'd body, and call each
+# module through gathered(module): a copy of it whose params are whole.
 class Block(nnx.Module):
     def __init__(self, rngs):
         self.up, self.down = nnx.Linear(16, 32, rngs=rngs), nnx.Linear(32, 16, rngs=rngs)
 
     def __call__(self, x):
         return x + self.down(jnp.tanh(self.up(x)))
-
-
-def gathered(module: nnx.Module) -> nnx.Module:
-    """A copy of `module` with its params whole (`jdp.fsdp.gather`: the identity outside per-layer FSDP)."""
-    graphdef, state = nnx.split(module)
-    return nnx.merge(graphdef, jdp.fsdp.gather(state))
 
 
 class NNXStack(nnx.Module):
@@ -69,8 +61,9 @@ class NNXStack(nnx.Module):
         return gathered(self.out)(forward(gathered(self.inp)(x), self.layers))
 
 
-# Flax Linen: each module reads its params through nn.map_variables(..., trans_in_fn=jdp.fsdp.gather),
-# and the wrapped block is scanned with nn.scan over nn.remat.
+# Flax Linen: each module class goes through gathered(module), which wraps it in
+# nn.map_variables(..., trans_in_fn=jdp.fsdp.gather) so it reads its params whole; the wrapped block is
+# scanned with nn.scan over nn.remat.
 class LinenBlock(nn.Module):
     @nn.compact
     def __call__(self, x, _):
@@ -80,13 +73,10 @@ class LinenBlock(nn.Module):
 class LinenStack(nn.Module):
     @nn.compact
     def __call__(self, x):
-        def gathering(module):  # the module's params made whole as it reads them
-            return nn.map_variables(module, "params", trans_in_fn=jdp.fsdp.gather, init=True)
-
-        scanned = nn.scan(nn.remat(gathering(LinenBlock)), variable_axes={"params": 0}, split_rngs={"params": True},
+        scanned = nn.scan(nn.remat(gathered(LinenBlock)), variable_axes={"params": 0}, split_rngs={"params": True},
                           length=LAYERS)
-        x, _ = scanned()(gathering(nn.Dense)(16)(x), None)
-        return gathering(nn.Dense)(5)(x)
+        x, _ = scanned()(gathered(nn.Dense)(16)(x), None)
+        return gathered(nn.Dense)(5)(x)
 
 
 def nnx_run(n, **options):
@@ -118,10 +108,8 @@ def linen_run(n, **options):
 
 
 def in_the_loop(step, state) -> list[str]:
-    """The kinds of the collectives the compiled step runs inside its scan loops."""
-    hlo = step.lower(state, DATA[0]).compile().as_text()
-    bodies = set(re.findall(r"while\(.*?body=%?([\w.\-]+)", hlo))
-    return [c["kind"] for c in parse_collectives(hlo) if c["computation"] in bodies]
+    """The kinds of the collectives the compiled step runs inside its scan loops (once per layer each)."""
+    return [c.kind for c in jdp.comm_report(step, state, DATA[0]).collectives if c.in_loop]
 
 
 if __name__ == "__main__":

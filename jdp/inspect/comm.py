@@ -38,6 +38,15 @@ class Collective:
     widened: bool = False  # the program sends bf16; this backend (CPU) widened it to f32
     group: int | None = None  # devices in each of its replica groups; None: every device of the step
     #                           (hybrid sharding: a group's devices, or one device of each group)
+    loop_trips: int | None = 1  # times it runs per call: the trip counts of the while loops around it
+    #                             (a scan's body: once per layer) multiplied; 1 outside any loop; None
+    #                             inside a loop whose trip count the compiled HLO does not state
+
+    @property
+    def in_loop(self) -> bool:
+        """Whether it sits inside a while loop's body (a `lax.scan`, `nnx.scan`, `nn.scan`): per-layer
+        FSDP's gathers and reduce-scatters do, once per layer; the whole model's gather does not."""
+        return self.loop_trips != 1
 
     def ring_bytes(self, n: int) -> float:
         """Bytes each device sends for one execution in a ring over its group (`n`: the step's
@@ -93,8 +102,9 @@ class CommReport:
                  f"{self.bytes_per_update:,} bytes, ring traffic {self.ring_bytes_per_device:,.0f} bytes/device "
                  f"(gradient = {self.gradient_bytes:,} bytes)"]
         for c in self.collectives:
+            loop = "" if not c.in_loop else f", inside a loop ({c.loop_trips or 'an unstated number of'} times per call)"
             lines.append(f"  {c.kind} in {c.computation}" + (f" (groups of {c.group})" if c.group else "")
-                         + f": {c.bytes:,} bytes, runs {c.runs}, "
+                         + f": {c.bytes:,} bytes, runs {c.runs}{loop}, "
                          f"×{c.executions_per_update} per optimizer step" + (" (gradient)" if c.carries_gradients else "")
                          + (" (bf16 in the program; this backend's collectives widen it to f32)" if c.widened else ""))
         return "\n".join(lines)
@@ -110,11 +120,50 @@ def _shape_bytes(text: str) -> int:
 _OP = re.compile(r"=\s*(.*?)\s+(all-reduce|reduce-scatter|all-gather)(?:-start)?\((.*)$")
 
 
+_CALLS = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)"
+                    r"|branch_computations=\{([^}]*)\}")
+_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+
+
+def _loop_trips(hlo: str) -> dict[str, int | None]:
+    """{computation: the times it runs per call of the program}: 1 for the entry computation and what
+    it calls, a while body's count times its caller's (None where a loop's count is not stated)."""
+    calls, entry, computation = {}, None, None  # calls: {computation: [(callee, trips of that call)]}
+    for line in hlo.splitlines():
+        header = _HEADER.match(line)
+        if header and not line.startswith(" "):
+            computation = header.group(1)
+            entry = computation if line.startswith("ENTRY") else entry
+            calls[computation] = []
+            continue
+        body = re.search(r"\bwhile\(.*?\bbody=%?([\w.\-]+)", line)
+        trips = _TRIPS.search(line)
+        for m in _CALLS.finditer(line):
+            for name in (m.group(1).split(",") if m.group(1) else m.group(2).split(",")):
+                name = name.strip().lstrip("%")
+                looped = body is not None and name == body.group(1)
+                calls[computation].append((name, (int(trips.group(1)) if trips else None) if looped else 1))
+    times = {}
+
+    def visit(name, n):
+        if name in times and times[name] == n:
+            return
+        times[name] = n
+        for callee, k in calls.get(name, []):
+            visit(callee, None if n is None or k is None else n * k)
+
+    if entry is not None:
+        visit(entry, 1)
+    return times
+
+
 def parse_collectives(hlo: str) -> list[dict]:
     """Each collective in the HLO text `hlo`: kind, computation, whether it sits in a conditional
-    branch, full payload bytes (see `Collective.bytes`), whether the backend widened it, and the
-    devices in each of its replica groups (None where the HLO does not say)."""
-    computation, found, branches = None, [], set()
+    branch, how often it runs per call (`loop_trips`: the trip counts of the while loops around it,
+    1 outside any, None where a count is not stated), full payload bytes (see `Collective.bytes`),
+    whether the backend widened it, and the devices in each of its replica groups (None where the
+    HLO does not say)."""
+    computation, found, branches, trips = None, [], set(), _loop_trips(hlo)
     for line in hlo.splitlines():
         header = _HEADER.match(line)
         if header and not line.startswith(" "):
@@ -134,6 +183,7 @@ def parse_collectives(hlo: str) -> list[dict]:
                           "widened": "_promoted" in rest, "group": group})
     for f in found:
         f["in_branch"] = f["computation"] in branches
+        f["loop_trips"] = trips.get(f["computation"], 1)
     return found
 
 
@@ -156,7 +206,9 @@ def comm_report(step, state, batch) -> CommReport:
     """Read the compiled `step` for (state, batch) and report its collectives per optimizer step.
 
     A collective in the step's main computation runs on every call, i.e. `accum_steps` times per
-    optimizer step; one inside a conditional branch runs only on the call that applies the update.
+    optimizer step; one inside a conditional branch runs only on the call that applies the update;
+    one inside a while loop's body (a scan over layers) runs once per iteration, and says so
+    (`Collective.in_loop`, `loop_trips`): per-layer FSDP's gathers and reduce-scatters are there.
     On CPU, XLA widens bf16 collectives to f32 (its collectives have no bf16): those are reported
     with their f32 bytes and marked `widened`; GPUs send them as bf16.
     """
@@ -168,7 +220,8 @@ def comm_report(step, state, batch) -> CommReport:
     grad_bytes = int(sum(np.prod(s, dtype=np.int64) * itemsize(x) for s, x in zip(per_copy, params)))
     collectives = [Collective(kind=c["kind"], computation=c["computation"],
                               runs="update only" if c["in_branch"] else "every call", bytes=c["bytes"],
-                              executions_per_update=1 if c["in_branch"] else step.accum_steps,
+                              executions_per_update=(1 if c["in_branch"] else step.accum_steps) * (c["loop_trips"] or 1),
+                              loop_trips=c["loop_trips"],
                               carries_gradients=c["kind"] == "all-reduce" and c["bytes"] >= grad_bytes,
                               widened=c["widened"], group=None if c["group"] == step.num_devices else c["group"])
                    for c in parse_collectives(hlo)]
