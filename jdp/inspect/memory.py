@@ -20,7 +20,9 @@ class MemoryReport:
     devices: int
     sharded: bool  # shard_optimizer_state (also true with shard_params)
     params: int  # between steps: whole, or this device's blocks (shard_params)
-    gradient: int  # the backward pass's gradient: whole on every device in every layout
+    gradient: int  # the whole gradient's bytes: what the backward pass makes on every device, except
+    #                under per-layer gathering (gather_in_model), where each layer's is reduce-scattered
+    #                as it is made and no device holds it whole (`allocated` is the peak there)
     reduced_gradient: int  # after the reduction: the whole gradient, or this device's blocks
     optimizer_state: int
     accumulator: int  # accum_sync="last": this device's gradient sums; "every": a few scalars
