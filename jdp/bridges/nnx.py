@@ -113,8 +113,11 @@ def make_train_step(model: nnx.Module, loss_fn: Callable, optimizer, *, sync_bat
         never modified.
       loss_fn: `loss_fn(model, batch) -> loss`, the MEAN loss over the examples it is given, written
         for one device; `(loss, aux)` with has_aux (aux: scalars such as accuracy, averaged over
-        devices); `loss_fn(model, batch, rngs)` with needs_rng, where `rngs` is an `nnx.Rngs` from
-        (seed, micro-step, device).
+        devices); `loss_fn(model, batch, rngs)` with needs_rng, where `rngs` is an `nnx.Rngs` with
+        one stream, "default" (any other name falls back to it), keyed
+        `fold_in(fold_in(key(seed), micro_step), device)`: micro_step counts the step's calls,
+        device is this device's index. The model's stored Rngs streams are reseeded from that
+        key on every call, needs_rng or not (the i-th by sorted name with `fold_in(key, i)`).
       optimizer: an optax transformation, a `jdp.OptimizerSpec`, or an `nnx.Optimizer` built for
         `model` (its `tx` is used; its state is not: `init` starts a fresh one).
       sync_batchnorm: every `nnx.BatchNorm` computes its batch statistics over the global batch
@@ -128,6 +131,8 @@ def make_train_step(model: nnx.Module, loss_fn: Callable, optimizer, *, sync_bat
 
     Returns:
       An `NnxTrainStep`: `state = step.init(seed=0)`, `state, metrics = step(state, batch)`.
+      `jdp.get_params(state)` is an `nnx.State` of the model's `nnx.Param` variables only,
+      host numpy arrays in their own shapes (`state.model_state` holds BatchNorm's statistics).
     """
     split = SplitModel.of(model, sync_batchnorm, device_axes(options.get("axis_name", DATA_AXIS),
                                                               options.get("replicas", 1)))
