@@ -130,6 +130,7 @@ class _Setup:
     rtol: float | None
     atol: float | None
     atol_for: tuple[tuple[str, float], ...] = ()  # (leaf name pattern, atol), the first match wins
+    mask_key: str | None = None  # the step's mask_key ("auto" read as None, as the step reads it)
 
 
 def assert_data_parallel_exact(loss_fn: Callable, optimizer, params_or_model, batches: Iterable, *,
@@ -192,7 +193,8 @@ def assert_data_parallel_exact(loss_fn: Callable, optimizer, params_or_model, ba
     """
     batches, backends, syncs = _checked_arguments(batches, backends, accum_sync, step_options)
     devices = _checked_devices(devices)
-    setup = _setup(loss_fn, optimizer, params_or_model, has_aux, has_state, model_state, rtol, atol, atol_for)
+    setup = _setup(loss_fn, optimizer, params_or_model, has_aux, has_state, model_state, rtol, atol, atol_for,
+                   step_options["mask_key"])
     axis = step_options.get("axis_name", "data")
     reference = one_device_reference(setup, loss_fn, params_or_model, batches, accum_steps, has_aux, axis, devices[0])
     _check_reference_finite(reference[1])
@@ -241,7 +243,7 @@ def _checked_devices(devices) -> list:
     return list(devices)
 
 
-def _setup(loss_fn, optimizer, start, has_aux, has_state, model_state, rtol, atol, atol_for) -> _Setup:
+def _setup(loss_fn, optimizer, start, has_aux, has_state, model_state, rtol, atol, atol_for, mask_key) -> _Setup:
     is_model = isinstance(start, nnx.Module)
     tx = optimizer.tx if is_model and isinstance(optimizer, nnx.Optimizer) else optimizer
     if not isinstance(tx, optax.GradientTransformation):
@@ -258,7 +260,7 @@ def _setup(loss_fn, optimizer, start, has_aux, has_state, model_state, rtol, ato
         raise ValueError(f"atol_for must map leaf names (or fnmatch patterns) to tolerances >= 0, e.g. "
                          f"{{'params.attn.bk': 1e-2}}; got {atol_for!r:.80}.")
     return _Setup(loss_fn, tx, start, model_state, has_aux, has_state, rtol, atol,
-                  tuple((k, float(v)) for k, v in (atol_for or {}).items()))
+                  tuple((k, float(v)) for k, v in (atol_for or {}).items()), None if mask_key == "auto" else mask_key)
 
 
 def _check_atol_for(setup: _Setup, ref_final) -> None:

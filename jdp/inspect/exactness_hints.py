@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 from jdp.core.weighting import is_weighted
-from jdp.inspect.reference import _call, _first, _one, _with_aux
+from jdp.inspect.reference import _call, _first, _one, model_loss
 
 # A leaf's gradient is ~0 when its max |g| is at most this fraction of the largest leaf's (float32;
 # 10 eps of the dtype where that is coarser). A key bias's measured 6e-9 against 8e-2 is 8e-8 of it.
@@ -58,7 +58,8 @@ def own_count_hint(setup, batch, devices: int, axis: str) -> str | None:
         lambda x, d=d: np.asarray(x)[np.arange(len(x)) // (len(x) // devices) == d], batch), 1))))
         for d in range(devices)]
     if is_weighted(whole):
-        return _weighted_hint(whole, shards, devices)
+        return _weighted_hint(whole, shards, devices, setup.mask_key if isinstance(batch, dict) and setup.mask_key
+                              in batch else None)
     whole, mean = float(whole), float(np.mean([float(s) for s in shards]))
     if abs(whole - mean) <= 1e-5 * max(1.0, abs(whole)):
         return None
@@ -72,9 +73,14 @@ def own_count_hint(setup, batch, devices: int, axis: str) -> str | None:
             f"divides by the global count once.")
 
 
-def _weighted_hint(whole, shards, devices: int) -> str | None:
+def _weighted_hint(whole, shards, devices: int, mask_key: str | None) -> str | None:
     for field in ("total", "weight"):
         value, parts = float(getattr(whole, field)), float(np.sum([float(getattr(s, field)) for s in shards]))
+        if abs(value - parts) > 1e-5 * max(1.0, abs(value)) and mask_key is not None:
+            return (f"loss_fn is not sum(mask · loss) / b under mask_key={mask_key!r}: on the first batch b times its "
+                    f"value is {value:.6g} on the whole batch and {parts:.6g} summed over the {devices} device shards, "
+                    f"as when it divides by the shard's own count of real examples; divide by the batch size b "
+                    f"(jdp divides by the global count of real examples), or return jdp.Weighted(sum, count).")
         if abs(value - parts) > 1e-5 * max(1.0, abs(value)):
             return (f"loss_fn returns jdp.Weighted whose {field} is not a sum over examples: on the first batch it is "
                     f"{value:.6g} on the whole batch and {parts:.6g} summed over the {devices} device shards; return "
@@ -92,10 +98,9 @@ def initial_gradients(setup, batch, axis: str):
     if isinstance(setup.start, nnx.Module):
         graphdef, params, rest = nnx.split(setup.start, nnx.Param, ...)
 
-        def model_loss(p, b):
-            return scalar(_with_aux(setup.loss_fn, setup.has_aux)(nnx.merge(graphdef, p, rest, copy=True), b)[0])
-
-        return {"params": jax.device_get(jax.jit(jax.grad(model_loss))(params, batch))}
+        loss = model_loss(setup)
+        grad = jax.grad(lambda p, b: scalar(loss(nnx.merge(graphdef, p, rest, copy=True), b)[0]))
+        return {"params": jax.device_get(jax.jit(grad)(params, batch))}
     model_state = setup.model_state if setup.has_state else ()
     grad = jax.vmap(lambda p, b: jax.grad(lambda q: scalar(_call(setup, q, model_state, b)[0]))(p), axis_name=axis)
     return {"params": jax.device_get(_first(jax.jit(grad)(_one(jax.tree.map(jnp.asarray, setup.start)),

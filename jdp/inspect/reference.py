@@ -28,22 +28,41 @@ def one_device_reference(setup, loss_fn, params_or_model, batches: list, accum_s
     aux per step), the trees as {"params": ..., "model_state": ...} on the host."""
     tx = setup.tx if accum_steps == 1 else optax.MultiSteps(setup.tx, accum_steps).gradient_transformation()
     if isinstance(params_or_model, nnx.Module):
-        if is_weighted_model_loss(loss_fn, params_or_model, batches[0], has_aux):
-            return _reference_model(loss_fn, setup.tx, params_or_model, batches, accum_steps, has_aux, device, True)
-        return _reference_model(loss_fn, tx, params_or_model, batches, accum_steps, has_aux, device)
+        loss = model_loss(setup)
+        if is_weighted_model_loss(loss, params_or_model, batches[0]):
+            return _reference_model(loss, setup.tx, params_or_model, batches, accum_steps, device, True)
+        return _reference_model(loss, tx, params_or_model, batches, accum_steps, device)
     if is_weighted_loss(setup, batches[0], axis):
         return reference_weighted(setup, batches, accum_steps, axis, device)
     return _reference_params(setup, tx, batches, accum_steps, axis, device)
 
 
 def _call(setup, params, model_state, batch):
-    """(loss, aux, new_model_state) of the user's loss, as declared."""
+    """(loss, aux, new_model_state) of the user's loss, as declared. Under `mask_key` (a batch entry
+    of that name beside a plain loss `sum(mask · l) / b`) the loss and aux are read as jdp reads
+    them: `jdp.Weighted(b · loss, sum(mask))`."""
     out = setup.loss_fn(params, model_state, batch) if setup.has_state else setup.loss_fn(params, batch)
     if setup.has_aux and setup.has_state:
-        return out[0], out[1][0], out[1][1]
-    if setup.has_aux:
-        return out[0], out[1], model_state
-    return (out[0], {}, out[1]) if setup.has_state else (out, {}, model_state)
+        loss, aux, new_state = out[0], out[1][0], out[1][1]
+    elif setup.has_aux:
+        loss, aux, new_state = out[0], out[1], model_state
+    else:
+        loss, aux, new_state = (out[0], {}, out[1]) if setup.has_state else (out, {}, model_state)
+    if setup.mask_key is not None and isinstance(batch, dict) and setup.mask_key in batch and not is_weighted(loss):
+        rows, w = len(batch[setup.mask_key]), jnp.sum(batch[setup.mask_key], dtype=jnp.float32)
+        loss, aux = Weighted(loss * rows, w), weighted_aux(aux, lambda a: Weighted(a * rows, w))
+    return loss, aux, new_state
+
+
+def model_loss(setup):
+    """An nnx model's loss as `(model, batch) -> (loss, aux)`, read under `mask_key` as `_call` reads it."""
+    def loss(model, batch):
+        value, aux = _with_aux(setup.loss_fn, setup.has_aux)(model, batch)
+        if setup.mask_key is not None and isinstance(batch, dict) and setup.mask_key in batch and not is_weighted(value):
+            rows, w = len(batch[setup.mask_key]), jnp.sum(batch[setup.mask_key], dtype=jnp.float32)
+            value, aux = Weighted(value * rows, w), weighted_aux(aux, lambda a: Weighted(a * rows, w))
+        return value, aux
+    return loss
 
 
 def is_weighted_loss(setup, batch, axis: str) -> bool:
@@ -55,12 +74,11 @@ def is_weighted_loss(setup, batch, axis: str) -> bool:
     return is_weighted(out)
 
 
-def is_weighted_model_loss(loss_fn, model, batch, has_aux: bool) -> bool:
-    """Whether `loss_fn(model, batch)` returns `jdp.Weighted` (traced once on a copy of the model's
-    state, nothing computed, the model left as it was)."""
+def is_weighted_model_loss(loss, model, batch) -> bool:
+    """Whether `loss(model, batch)` (`model_loss`) returns `jdp.Weighted` (traced once on a copy of
+    the model's state, nothing computed, the model left as it was)."""
     graphdef, state = nnx.split(model)
-    out = jax.eval_shape(lambda s, b: _with_aux(loss_fn, has_aux)(nnx.merge(graphdef, s, copy=True), b)[0],
-                         state, batch)
+    out = jax.eval_shape(lambda s, b: loss(nnx.merge(graphdef, s, copy=True), b)[0], state, batch)
     return is_weighted(out)
 
 
@@ -152,8 +170,9 @@ def _reference_params(setup, tx, batches, m, axis: str, device):
     return initial, final, jax.device_get(losses), jax.device_get(auxes)
 
 
-def _reference_model(loss_fn, tx, model, batches, m, has_aux, device, weighted: bool = False):
-    """The one-device nnx loop: nnx.value_and_grad and an nnx.Optimizer, on the whole (micro-)batch.
+def _reference_model(loss_fn, tx, model, batches, m, device, weighted: bool = False):
+    """The one-device nnx loop: nnx.value_and_grad and an nnx.Optimizer, on the whole (micro-)batch;
+    `loss_fn` as `model_loss` makes it.
 
     weighted (a loss that returns `jdp.Weighted`): per optimizer step, the M micro-batches' totals,
     gradients, aux and weights summed, the gradient divided once by the step's weight, then one
@@ -165,14 +184,14 @@ def _reference_model(loss_fn, tx, model, batches, m, has_aux, device, weighted: 
 
         @nnx.jit
         def step(model, opt, batch):
-            (loss, aux), grads = nnx.value_and_grad(_with_aux(loss_fn, has_aux), has_aux=True)(model, batch)
+            (loss, aux), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, batch)
             opt.update(model, grads)
             return loss, aux
 
         @nnx.jit
         def sums(model, batch):
             def total(model):
-                loss, aux = _with_aux(loss_fn, has_aux)(model, batch)
+                loss, aux = loss_fn(model, batch)
                 w = jnp.asarray(loss.weight, jnp.float32)
                 return loss.total, (w, weighted_aux(aux, lambda a: Weighted(a * w, w)))
 
