@@ -83,5 +83,5 @@ def test_options_are_one_validated_value():
     with pytest.raises(ValueError, match=r"^loss_fn takes \(params, batch, key\), one argument more than \(params, "
                                          r"batch\): pass needs_rng=True if the last is a random key \(jdp then passes a "
                                          r"jax.random key from the seed, the micro-step and the device\), or "
-                                         r"has_state=True if it takes the model state before the batch\.$"):
+                                         r"has_state=True if it takes the model state before the batch\."):
         keyed(keyed.init(mlp_params()), batches(1, 8)[0])
