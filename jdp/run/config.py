@@ -293,7 +293,23 @@ def _check_data_files(d: DataConfig) -> None:
         raise ConfigError(f"data.path must be the path of a .npz file with data.name='arrays', got {quoted(d.path)}.")
     for key, path in (("path", d.path), ("val_path", d.val_path)):
         if path is not None and not os.path.isfile(path):
-            raise ConfigError(f"data.{key}={quoted(path)} is not a file (relative paths start at {os.getcwd()}).")
+            where = f"data.{key}={quoted(path)} is {'a directory' if os.path.isdir(path) else 'not a file'}"
+            if d.name != "tokens":
+                raise ConfigError(f"{where} (relative paths start at {os.getcwd()}).")
+            raise ConfigError(f"{where} (relative paths start at {os.getcwd()}); {_token_files_hint(key, path)}")
+
+
+def _token_files_hint(key: str, path: str) -> str:
+    """How to make the token file data.path or data.val_path names: `jdp data prepare-tokens`."""
+    from jdp.data.prepare import TOKEN_FILES
+
+    wanted = TOKEN_FILES[key == "val_path"]
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, wanted)):
+        return f"data.{key} is the token file itself: {quoted(os.path.join(path, wanted))}."
+    folder = path if os.path.isdir(path) or os.path.basename(path) not in TOKEN_FILES else os.path.dirname(path) or "."
+    return (f"make the token files with jdp data prepare-tokens INPUT OUTPUT (INPUT a UTF-8 text file, or "
+            f"python-reference), which writes OUTPUT/train.bin (data.path) and OUTPUT/val.bin (data.val_path): here "
+            f"jdp data prepare-tokens INPUT {folder}.")
 
 
 def _check_step_and_optimizer(config: Config) -> None:
