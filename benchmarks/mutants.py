@@ -660,8 +660,8 @@ MUTANTS = [
            "    if False:\n",  # a failing weighted check: TypeError from float(Weighted) instead of the report
            ("tests/test_exactness_models.py::test_a_mean_of_means_fails_with_the_report[params-weighted]",)),
     Mutant("exactness_mask_key_read_as_plain_mean", "inspect/reference.py",
-           "    if setup.mask_key is not None and isinstance(batch, dict) and setup.mask_key in batch and not is_weighted(loss):",
-           "    if False:",  # the reference divides by every row, padding included, where jdp divides by the real ones
+           "if key is None or not isinstance(batch, dict) or key not in batch or is_weighted(loss):",
+           "if True:",  # the reference divides by every row, padding included, where jdp divides by the real ones
            ("tests/test_exactness_models.py::test_a_mean_of_means_fails_with_the_report[params-mask_key-accum2]",)),
     Mutant("exactness_zero_gradient_unnamed", "inspect/exactness_hints.py",
            "if scales[row.name] <= max(ZERO_GRADIENT, 10 * eps) * scales[top]:",

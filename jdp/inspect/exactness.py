@@ -180,8 +180,9 @@ def assert_data_parallel_exact(loss_fn: Callable, optimizer, params_or_model, ba
     device (`jax.vmap` over an axis of size 1, so a BatchNorm's or a metric's `lax.pmean` is the
     identity); for an nnx model, `nnx.value_and_grad` and an `nnx.Optimizer`, BatchNorm statistics
     compared too; a `jdp.Weighted` loss's reference (array params or a model) sums each optimizer
-    step's totals, gradients and weights over its micro-batches and divides once. Per run, the params (and model state), the loss and aux of every step, the
-    optimizer step count and the replicas (`jdp.check_replicas`) are checked.
+    step's totals, gradients and weights over its micro-batches and divides once. Per run, the
+    params (and model state), the loss and aux of every step, the optimizer step count and the
+    replicas (`jdp.check_replicas`) are checked.
 
     Returns the `ExactnessReport` (print it). Raises `NotExactError` (an AssertionError): with the
     report, failing leaves first, when a leaf is beyond its tolerance or when the reference moved no

@@ -64,9 +64,9 @@ def own_count_hint(setup, batch, devices: int, axis: str) -> str | None:
     if abs(whole - mean) <= 1e-5 * max(1.0, abs(whole)):
         return None
     if abs(whole - devices * mean) <= 1e-4 * max(1.0, abs(whole)):
-        return (f"loss_fn is not a mean over examples: on the first batch its value on the whole batch ({whole:.6g}) is "
-                f"{devices} times the mean of its values on the {devices} device shards ({mean:.6g}), as a sum over "
-                f"examples is; return the mean (jdp averages over devices), or jdp.Weighted(sum, count).")
+        return (f"loss_fn is not a mean over examples: on the first batch its value on the whole batch "
+                f"({whole:.6g}) is {devices} times the mean of its values on the {devices} device shards "
+                f"({mean:.6g}), as a sum over examples is; return the mean (jdp averages over devices), or jdp.Weighted(sum, count).")
     return (f"loss_fn is not a mean over examples: on the first batch its value on the whole batch ({whole:.6g}) "
             f"differs from the mean of its values on the {devices} device shards ({mean:.6g}), as when it divides by "
             f"each shard's own count of real tokens; return jdp.Weighted(sum of the losses, their count) so that jdp "
@@ -128,10 +128,12 @@ def zero_gradient_hint(failures, gradients) -> str | None:
     worst = max(r.diff for r in zero.values())
     atol = float(f"{10 ** np.ceil(np.log10(2 * worst)):.0e}")
     others = {r.name for r in failures} - set(zero)
+    rest = (f"; the other failing leaves ({len(others)}) have gradients of their own: look at them first"
+            if others else "")
     return (f"{names}: {'its' if len(zero) == 1 else 'their'} gradient is ~0 on the first batch (max |g| "
             f"{max(scales[n] for n in zero):.1e}, against {scales[top]:.1e} for {top}), as an attention key bias's "
             f"or that of a bias before a BatchNorm is: an optimizer that divides by the gradient's own scale (Adam) "
             f"turns the rounding of the reduction order into steps of the learning rate's size there, so it differs "
             f"from one device however exact the step is; check it with optax.sgd, a larger eps (e.g. "
             f"optax.adam(lr, eps=1e-3)), or atol_for={{{next(iter(zero))!r}: {atol:g}}}"
-            f"{f'; the other failing leaves ({len(others)}) have gradients of their own: look at them first' if others else ''}.")
+            f"{rest}.")

@@ -48,20 +48,23 @@ def _call(setup, params, model_state, batch):
         loss, aux, new_state = out[0], out[1], model_state
     else:
         loss, aux, new_state = (out[0], {}, out[1]) if setup.has_state else (out, {}, model_state)
-    if setup.mask_key is not None and isinstance(batch, dict) and setup.mask_key in batch and not is_weighted(loss):
-        rows, w = len(batch[setup.mask_key]), jnp.sum(batch[setup.mask_key], dtype=jnp.float32)
-        loss, aux = Weighted(loss * rows, w), weighted_aux(aux, lambda a: Weighted(a * rows, w))
-    return loss, aux, new_state
+    return (*_masked(setup, batch, loss, aux), new_state)
+
+
+def _masked(setup, batch, loss, aux):
+    """(loss, aux) as jdp's step reads them: under `mask_key`, a plain loss beside the mask is
+    `sum(mask · l) / b`, so `jdp.Weighted(b · loss, sum(mask))`, its aux the same; else as they are."""
+    key = setup.mask_key
+    if key is None or not isinstance(batch, dict) or key not in batch or is_weighted(loss):
+        return loss, aux
+    rows, w = len(batch[key]), jnp.sum(batch[key], dtype=jnp.float32)
+    return Weighted(loss * rows, w), weighted_aux(aux, lambda a: Weighted(a * rows, w))
 
 
 def model_loss(setup):
     """An nnx model's loss as `(model, batch) -> (loss, aux)`, read under `mask_key` as `_call` reads it."""
     def loss(model, batch):
-        value, aux = _with_aux(setup.loss_fn, setup.has_aux)(model, batch)
-        if setup.mask_key is not None and isinstance(batch, dict) and setup.mask_key in batch and not is_weighted(value):
-            rows, w = len(batch[setup.mask_key]), jnp.sum(batch[setup.mask_key], dtype=jnp.float32)
-            value, aux = Weighted(value * rows, w), weighted_aux(aux, lambda a: Weighted(a * rows, w))
-        return value, aux
+        return _masked(setup, batch, *_with_aux(setup.loss_fn, setup.has_aux)(model, batch))
     return loss
 
 

@@ -322,8 +322,8 @@ def _check_profile_steps(config: Config) -> None:
     if steps is not None and steps[1] > config.train.steps:
         where = f"starts at step {steps[0]}" if steps[0] > config.train.steps else f"ends at step {steps[1]}"
         raise ConfigError(f"train.profile_steps={config.train.profile_steps!r} (--profile-steps) {where}, after the "
-                          f"run's last step, train.steps={config.train.steps}, so no trace would be written; profile steps "
-                          f"within 1..{config.train.steps}, e.g. {min(steps[0], config.train.steps)}:"
+                          f"run's last step, train.steps={config.train.steps}, so no trace would be written; profile "
+                          f"steps within 1..{config.train.steps}, e.g. {min(steps[0], config.train.steps)}:"
                           f"{config.train.steps}.")
 
 
