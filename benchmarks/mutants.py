@@ -692,6 +692,10 @@ MUTANTS = [
            "if steps is not None and steps[1] > config.train.steps:",
            "if False:",  # --steps 4 --profile-steps 10:20: exit 0, no trace, no word
            ("tests/test_cli_edges.py::test_a_profile_range_the_run_cannot_reach_is_refused_before_training",)),
+    Mutant("exactness_dropout_unnamed", "inspect/exactness_hints.py",
+           "if isinstance(m, nnx.Dropout) and not m.deterministic and m.rate > 0]",
+           "if False]",  # docs/nnx.md's CNN, Dropout on, fails the check with no word of why
+           ("tests/test_exactness_models.py::test_a_model_whose_dropout_is_on_is_named",)),
 ]
 
 

@@ -181,6 +181,7 @@ QUICK = (
     "test_exactness_models.py::test_a_mean_of_means_fails_with_the_report[params-weighted]",
     "test_exactness_models.py::test_a_mean_of_means_fails_with_the_report[params-mask_key-accum2]",
     "test_exactness_models.py::test_a_leaf_whose_gradient_is_zero_is_named_with_its_fix",
+    "test_exactness_models.py::test_a_model_whose_dropout_is_on_is_named",
     "test_tokens_train.py::test_a_missing_token_file_says_how_to_make_it",
     "test_shipped.py::test_a_directory_is_never_a_config_and_a_shipped_name_wins_over_one",
 )

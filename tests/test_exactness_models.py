@@ -217,3 +217,15 @@ def test_a_leaf_whose_gradient_is_zero_is_named_with_its_fix():
     with pytest.raises(ValueError, match="atol_for must map leaf names"):
         assert_data_parallel_exact(attention_loss, optax.adam(3e-3), params, batches, devices=FOUR,
                                    backends="shard_map", atol_for=1e-2)
+
+
+def test_a_model_whose_dropout_is_on_is_named():
+    loss_fn, tx, model, batches, _ = nnx_case("mean", planted=False, aux=False, dropout=True)
+    model.dropout.deterministic = False  # as docs/nnx.md's CNN is built
+    with pytest.raises(NotExactError) as failed:
+        assert_data_parallel_exact(loss_fn, tx, model, batches, devices=FOUR, backends="shard_map")
+    assert str(failed.value).split("\n")[0] == (
+        "the model's Dropout (dropout) draws random masks, and each device draws its own, so no data-parallel run "
+        "can take one device's steps; turn it off for this check (e.g. model.dropout.deterministic = True, or "
+        "nnx.Dropout(rate, deterministic=True)).")
+    assert failed.value.report.failures

@@ -1,6 +1,6 @@
 """Why `assert_data_parallel_exact` failed, when the cause can be measured on one device.
 
-Two causes are named in a sentence above the report's table:
+Three causes are named in a sentence above the report's table:
 
 - `own_count_hint`: the loss is not a mean over examples (a plain loss that divides by its own
   shard's count, or a sum), or a `jdp.Weighted` loss whose total and weight are not sums over
@@ -9,6 +9,7 @@ Two causes are named in a sentence above the report's table:
   that feeds a BatchNorm): an optimizer that divides by the gradient's own scale (Adam) turns the
   rounding of a reduction order into steps of the learning rate's size there, however exact the
   reduction is.
+- `dropout_hint`: an nnx model's Dropout draws masks, which differ between devices and one device.
 """
 from __future__ import annotations
 
@@ -38,8 +39,23 @@ def leaves(tree) -> dict[str, np.ndarray]:
 def failure_hint(setup, failures, batch, devices: int, axis: str) -> str | None:
     """The sentence naming the cause of `failures` (LeafDiff rows), measured on `batch` (the first
     micro-batch), or None: `own_count_hint` (array params), else `zero_gradient_hint`."""
-    hint = None if isinstance(setup.start, nnx.Module) else own_count_hint(setup, batch, devices, axis)
+    if isinstance(setup.start, nnx.Module):
+        hint = dropout_hint(setup.start)
+    else:
+        hint = own_count_hint(setup, batch, devices, axis)
     return hint or zero_gradient_hint(failures, initial_gradients(setup, batch, axis))
+
+
+def dropout_hint(model) -> str | None:
+    """A sentence when the model has an `nnx.Dropout` that draws masks: jdp's devices draw their own
+    keys (per device and micro-step), so no run equals one device's."""
+    on = [".".join(map(str, path)) or "the model" for path, m in nnx.iter_modules(model)
+          if isinstance(m, nnx.Dropout) and not m.deterministic and m.rate > 0]
+    if not on:
+        return None
+    return (f"the model's Dropout ({', '.join(on[:3])}{' ...' if len(on) > 3 else ''}) draws random masks, and "
+            f"each device draws its own, so no data-parallel run can take one device's steps; turn it off for this "
+            f"check (e.g. model.{on[0]}.deterministic = True, or nnx.Dropout(rate, deterministic=True)).")
 
 
 def own_count_hint(setup, batch, devices: int, axis: str) -> str | None:
