@@ -687,6 +687,52 @@ MUTANTS = [
            'nn.map_variables(module, "params", trans_in_fn=gather, init=True)',
            'nn.map_variables(module, "params", trans_in_fn=lambda tree: tree, init=True)',
            ("tests/test_fsdp_patterns.py::test_gathered_makes_a_modules_split_params_whole_and_changes_nothing_else",)),
+    # issue 39: exactness helper and errors
+    Mutant("exactness_nnx_weighted_as_plain", "inspect/reference.py",
+           "if is_weighted_model_loss(loss, params_or_model, batches[0]):",
+           "if False:",  # an nnx loss returning jdp.Weighted: JAX's "Gradient only defined for scalar-output functions"
+           ("tests/test_exactness_models.py::test_the_helper_passes_on_every_documented_model[nnx-weighted]",)),
+    Mutant("exactness_weighted_hint_reads_a_float", "inspect/exactness_hints.py",
+           "    if is_weighted(whole):\n",
+           "    if False:\n",  # a failing weighted check: TypeError from float(Weighted) instead of the report
+           ("tests/test_exactness_models.py::test_a_mean_of_means_fails_with_the_report[params-weighted]",)),
+    Mutant("exactness_mask_key_read_as_plain_mean", "inspect/reference.py",
+           "if key is None or not isinstance(batch, dict) or key not in batch or is_weighted(loss):",
+           "if True:",  # the reference divides by every row, padding included, where jdp divides by the real ones
+           ("tests/test_exactness_models.py::test_a_mean_of_means_fails_with_the_report[params-mask_key-accum2]",)),
+    Mutant("exactness_zero_gradient_unnamed", "inspect/exactness_hints.py",
+           "if scales[row.name] <= max(ZERO_GRADIENT, 10 * eps) * scales[top]:",
+           "if scales[row.name] <= 0:",  # a key bias's Adam noise fails the check with no word of why
+           ("tests/test_exactness_models.py::test_a_leaf_whose_gradient_is_zero_is_named_with_its_fix",)),
+    Mutant("exactness_atol_for_ignored", "inspect/exactness.py",
+           "return next((a for pattern, a in setup.atol_for if fnmatch.fnmatchcase(name, pattern)), setup.atol)",
+           "return setup.atol",
+           ("tests/test_exactness_models.py::test_a_leaf_whose_gradient_is_zero_is_named_with_its_fix",)),
+    Mutant("split_subscript_unexplained", "core/split.py",
+           "__getitem__ = __matmul__ = __rmatmul__",
+           "__matmul__ = __rmatmul__",  # p["w"][:, 0] under gather_in_model: "'Split' object is not subscriptable"
+           ("tests/test_fsdp_layers.py::test_refusals",)),
+    Mutant("needs_rng_not_named", "core/loss.py",
+           "if not needs_rng and binds(len(names) + 1):",
+           "if False:",  # a loss taking (model, batch, rngs): "loss_fn must take (model, batch)" and no fix
+           ("tests/test_nnx.py::test_bad_input_is_one_sentence",
+            "tests/test_step_rules.py::test_options_are_one_validated_value")),
+    Mutant("token_file_missing_without_prepare_tokens", "run/config.py",
+           'if d.name != "tokens":\n                raise ConfigError(f"{where} (relative',
+           'if True:\n                raise ConfigError(f"{where} (relative',
+           ("tests/test_tokens_train.py::test_a_missing_token_file_says_how_to_make_it",)),
+    Mutant("workdir_read_as_a_config", "run/shipped.py",
+           "if arg is None or os.path.isfile(arg) or (os.path.exists(arg) and not os.path.isdir(arg)):",
+           "if arg is None or os.path.exists(arg):",  # jdp train digits_mlp --workdir digits_mlp, run again: refused
+           ("tests/test_shipped.py::test_a_directory_is_never_a_config_and_a_shipped_name_wins_over_one",)),
+    Mutant("profile_range_past_the_run_accepted", "run/config.py",
+           "if steps is not None and steps[1] > config.train.steps:",
+           "if False:",  # --steps 4 --profile-steps 10:20: exit 0, no trace, no word
+           ("tests/test_cli_edges.py::test_a_profile_range_the_run_cannot_reach_is_refused_before_training",)),
+    Mutant("exactness_dropout_unnamed", "inspect/exactness_hints.py",
+           "if isinstance(m, nnx.Dropout) and not m.deterministic and m.rate > 0]",
+           "if False]",  # docs/nnx.md's CNN, Dropout on, fails the check with no word of why
+           ("tests/test_exactness_models.py::test_a_model_whose_dropout_is_on_is_named",)),
 ]
 
 

@@ -180,6 +180,14 @@ QUICK = (
     "test_faults_api.py::test_a_nonfinite_model_state_is_never_saved",
     # `jdp train CONFIG --steps N` shorter than the config's warmup: scaled, said in one line, resumable.
     "test_feedback.py::test_steps_shorter_than_the_warmup_run_with_its_fraction_and_resume_as_they_ran",
+    # assert_data_parallel_exact on the kinds of loss the docs show, and errors that name their fix.
+    "test_exactness_models.py::test_the_helper_passes_on_every_documented_model[nnx-weighted]",
+    "test_exactness_models.py::test_a_mean_of_means_fails_with_the_report[params-weighted]",
+    "test_exactness_models.py::test_a_mean_of_means_fails_with_the_report[params-mask_key-accum2]",
+    "test_exactness_models.py::test_a_leaf_whose_gradient_is_zero_is_named_with_its_fix",
+    "test_exactness_models.py::test_a_model_whose_dropout_is_on_is_named",
+    "test_tokens_train.py::test_a_missing_token_file_says_how_to_make_it",
+    "test_shipped.py::test_a_directory_is_never_a_config_and_a_shipped_name_wins_over_one",
 )
 
 

@@ -134,3 +134,15 @@ def test_import_jdp_leaves_ctrl_c_to_python():
             "print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, cwd=ROOT, check=True)
     assert out.stdout == "True\n", out.stderr
+
+
+def test_a_profile_range_the_run_cannot_reach_is_refused_before_training(tmp_path):
+    """`jdp train --steps 4 --profile-steps 10:20` ran 4 steps and exited 0 with no trace and no word."""
+    for profile, where, example in (("10:20", "starts at step 10", "4:4"), ("3:6", "ends at step 6", "3:4")):
+        done = subprocess.run([*JDP, "train", "--steps", "4", "--profile-steps", profile, "--workdir", "w"],
+                              capture_output=True, text=True, env=ENV, cwd=tmp_path, timeout=120)
+        assert (done.returncode, done.stdout) == (2, ""), done.stderr[-2000:]
+        assert done.stderr == (f"jdp: error: train.profile_steps='{profile}' (--profile-steps) {where}, after the "
+                               f"run's last step, train.steps=4, so no trace would be written; profile steps within "
+                               f"1..4, e.g. {example}.\n")
+    assert os.listdir(tmp_path) == []  # nothing written, not even the workdir

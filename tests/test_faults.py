@@ -106,7 +106,8 @@ CONFIG_CASES = [
      "config '{dir}/nope.yaml' is neither a file nor a shipped config; the shipped ones are char_gpt, char_gpt_bf16, "
      "char_gpt_tokens, digits_cnn_syncbn, digits_mlp, digits_mlp_accum_psum, digits_mlp_bf16, gpt2_small, seed_linear "
      "(jdp configs lists them)."),
-    ("config-is-a-directory", None, ["{dir}"], "config file '{dir}' is not a file."),
+    ("config-is-a-directory", None, ["{dir}"], "config '{dir}' is a directory, and a directory is never a config; "
+     "give a YAML file or the name of a shipped config: char_gpt, "),
     ("set-without-equals", None, ["--set", "optim.lr"],
      "override 'optim.lr' has no '='; write section.key=value, e.g. optim.lr=3e-4."),
     ("set-without-section", None, ["--set", "lr=0.1"],

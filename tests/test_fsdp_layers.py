@@ -102,6 +102,15 @@ def test_refusals():
                                          r"pass, in the params' dtype, so reduce_dtype='bfloat16' cannot apply"):
         jdp.make_train_step(lambda p, b: 0.0, optax.sgd(0.1), shard_params=True, gather_in_model=True,
                             reduce_dtype="bf16")
+    # A loss that indexes (or computes with) a params leaf it has not gathered: the fix, in one sentence.
+    step = jdp.make_train_step(lambda p, b: (b["x"] @ p["w"][:, 0]).mean(), optax.sgd(0.1), shard_params=True,
+                               gather_in_model=True, devices=jax.devices()[:4])
+    with pytest.raises(TypeError, match=r"^a params leaf under gather_in_model=True is a jdp.fsdp.Split, this "
+                                        r"device's block of it \(shape \(8, 1\), split along dimension -1\), not an "
+                                        r"array; gather it first with jdp.fsdp.gather\(leaf\)"):
+        step(step.init({"w": np.ones((8, 4), np.float32)}), {"x": np.ones((8, 8), np.float32)})
+    with pytest.raises(TypeError, match=r"gather it first with jdp.fsdp.gather\(leaf\)"):
+        jdp.fsdp.Split(np.ones((8, 1), np.float32), -1, "data") * 2.0
 
 
 def test_trainer_scanned_gpt_gathers_per_layer_under_shard_params(tmp_path):

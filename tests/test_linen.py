@@ -114,6 +114,9 @@ def test_one_sentence_errors():
         jdp.linen.make_train_step(start, lambda params: 0.0, devices=devices)  # the MNIST example's closure
     with pytest.raises(ValueError, match=r"loss_fn must take \(params, batch, rng\)"):
         jdp.linen.make_train_step(start, loss_fn, needs_rng=True, devices=devices)
+    with pytest.raises(ValueError, match=r"^loss_fn takes \(params, batch, rng\), one argument more than \(params, "
+                                         r"batch\): pass needs_rng=True if the last is a random key"):
+        jdp.linen.make_train_step(start, lambda params, batch, rng: 0.0, devices=devices)
     with pytest.raises(ValueError, match=r"needs reduction='mean'"):
         jdp.linen.make_train_step(start, loss_fn, reduction="sum", devices=devices)
     other = linen_state(optax.adam(1e-3))

@@ -43,6 +43,10 @@ def test_bad_input_is_one_sentence():
         jdp.nnx.make_train_step(model, lambda model: 0.0, optax.sgd(0.1))
     with pytest.raises(ValueError, match=r"loss_fn must take \(model, batch, rngs\)"):
         jdp.nnx.make_train_step(model, loss_fn, optax.sgd(0.1), needs_rng=True)
+    with pytest.raises(ValueError, match=r"^loss_fn takes \(model, batch, rngs\), one argument more than \(model, "
+                                         r"batch\): pass needs_rng=True if the last is a random key \(jdp then passes "
+                                         r"an nnx.Rngs from the seed, the micro-step and the device\)\.$"):
+        jdp.nnx.make_train_step(model, lambda model, batch, rngs: 0.0, optax.sgd(0.1))
     other = nnx.Optimizer(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), optax.adam(1e-3), wrt=nnx.Param)
     with pytest.raises(ValueError, match="the nnx.Optimizer was built for another model"):
         jdp.nnx.make_train_step(model, loss_fn, other)

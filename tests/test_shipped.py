@@ -2,10 +2,13 @@
 results (`jdp configs`), and the token tool (`jdp data prepare-tokens`)."""
 import glob
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
+from benchmarks.common import child_env
 from jdp.data import load_char_corpus
 from jdp.run.cli import main
 from jdp.run.sections import ConfigError
@@ -46,6 +49,30 @@ def test_a_config_is_found_by_name_and_a_file_of_that_path_wins(tmp_path, monkey
         with pytest.raises(ConfigError, match=f"^config '{bad}' is neither a file nor a shipped config; the shipped "
                                               "ones are char_gpt, char_gpt_bf16, "):
             resolve_config(bad)
+
+
+def test_a_directory_is_never_a_config_and_a_shipped_name_wins_over_one(tmp_path, monkeypatch):
+    # `jdp train digits_mlp --workdir digits_mlp`, run twice: the second finds the run's own workdir
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "digits_mlp").mkdir()
+    assert resolve_config("digits_mlp") == os.path.join(CONFIG_DIR, "digits_mlp.yaml")
+    (tmp_path / "mine").mkdir()
+    done = subprocess.run([sys.executable, "-m", "jdp.run.cli", "train", "mine", "--workdir", "w"], capture_output=True,
+                          text=True, env=child_env(), cwd=tmp_path, timeout=120)
+    assert (done.returncode, done.stdout) == (2, "") and done.stderr == (
+        "jdp: error: config 'mine' is a directory, and a directory is never a config; give a YAML file or the name of "
+        "a shipped config: char_gpt, char_gpt_bf16, char_gpt_tokens, digits_cnn_syncbn, digits_mlp, "
+        "digits_mlp_accum_psum, digits_mlp_bf16, gpt2_small, seed_linear (jdp configs lists them).\n")
+    assert sorted(os.listdir(tmp_path)) == ["digits_mlp", "mine"] and not os.listdir(tmp_path / "mine")
+
+
+def test_a_workdir_named_like_its_config_resumes_as_any_workdir(tmp_path):
+    cmd = [sys.executable, "-m", "jdp.run.cli", "train", "seed_linear", "--workdir", "seed_linear", "--no-progress"]
+    first, second = (subprocess.run(cmd, capture_output=True, text=True, env=child_env(), cwd=tmp_path, timeout=300)
+                     for _ in range(2))
+    assert first.returncode == 0 and "done at step 1 of 1" in first.stdout, first.stderr[-2000:]
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert "the run is complete (1 of 1 steps, trained earlier); workdir seed_linear" in second.stdout
 
 
 def test_prepare_tokens_writes_the_reference_text_as_byte_tokens_and_never_overwrites(tmp_path, capsys):

@@ -77,3 +77,11 @@ def test_options_are_one_validated_value():
     assert (step.lr_correction, step.accum_steps, step.accum_sync) == ("auto", 2, "every")
     with pytest.raises(ValueError, match="grad_norm=1 must be True or False"):
         jdp.make_train_step(mlp_loss, optax.sgd(0.1), grad_norm=1)
+    # A loss that takes a key the options do not declare: the option that passes it, at the first call.
+    keyed = jdp.make_train_step(lambda params, batch, key: mlp_loss(params, batch), optax.sgd(0.1),
+                                devices=jax.devices()[:2])
+    with pytest.raises(ValueError, match=r"^loss_fn takes \(params, batch, key\), one argument more than \(params, "
+                                         r"batch\): pass needs_rng=True if the last is a random key \(jdp then passes a "
+                                         r"jax.random key from the seed, the micro-step and the device\), or "
+                                         r"has_state=True if it takes the model state before the batch\."):
+        keyed(keyed.init(mlp_params()), batches(1, 8)[0])

@@ -93,6 +93,25 @@ def test_a_bad_token_config_exits_2(tmp_path, files, overrides, message):
     assert not (tmp_path / "w").exists()
 
 
+def test_a_missing_token_file_says_how_to_make_it(tmp_path, files):
+    # `jdp train char_gpt_tokens` before `jdp data prepare-tokens`, in a fresh folder
+    cmd = [sys.executable, "-m", "jdp.run.cli", "train", "char_gpt_tokens", "--workdir", "w", "--steps", "2"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=ENV, cwd=tmp_path, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert r.stderr.strip() == (
+        f"jdp: error: data.path='runs/pyref_tokens/train.bin' is not a file (relative paths start at {tmp_path}); "
+        f"make the token files with jdp data prepare-tokens INPUT OUTPUT (INPUT a UTF-8 text file, or "
+        f"python-reference), which writes OUTPUT/train.bin (data.path) and OUTPUT/val.bin (data.val_path): here "
+        f"jdp data prepare-tokens INPUT runs/pyref_tokens."), r.stderr
+    # The folder prepare-tokens wrote, where the file in it belongs: the file is named.
+    r = subprocess.run([*cmd, "--set", f"data.path={files}"], capture_output=True, text=True, env=ENV, cwd=tmp_path,
+                       timeout=120)
+    assert r.returncode == 2 and r.stderr.strip().endswith(
+        f"is a directory (relative paths start at {tmp_path}); data.path is the token file itself: "
+        f"{str(files / 'train.bin')!r}."), r.stderr
+    assert os.listdir(tmp_path) == []  # nothing written
+
+
 def test_training_on_a_token_file_resumes_bit_exactly(tmp_path, files):
     from jdp.config import load_config
     from jdp.train import train

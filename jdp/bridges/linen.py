@@ -26,7 +26,6 @@ bind the axis the model reduces over:
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from collections.abc import Callable
 
 import jax
@@ -35,6 +34,7 @@ import numpy as np
 import optax
 from flax.training import train_state as flax_train_state
 
+from jdp.core.loss import signature_mismatch
 from jdp.core.state import LocalAccum, TrainState
 from jdp.core.step import TrainStep, get_tree
 from jdp.core.step import make_train_step as make_array_step
@@ -174,13 +174,10 @@ def _check_arity(loss_fn: Callable, n: int, options: dict) -> None:
         raise ValueError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
     names = ["params", *(["model_state"] if options.get("has_state") else []), "batch",
              *(["rng"] if options.get("needs_rng") else [])]
-    try:
-        inspect.signature(loss_fn).bind(*range(n))
-    except TypeError:
-        raise ValueError(f"loss_fn must take ({', '.join(names)}); its signature is "
-                         f"{inspect.signature(loss_fn)}.") from None
-    except ValueError:  # no signature (a builtin): trust it
-        pass
+    mismatch = signature_mismatch(loss_fn, names, bool(options.get("needs_rng")), "a jax.random key",
+                                  bool(options.get("has_state")))
+    if mismatch:
+        raise ValueError(mismatch)
 
 
 __all__ = ["make_train_step", "to_train_state"]

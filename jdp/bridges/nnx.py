@@ -15,7 +15,6 @@ by the step: only `update_model` writes into it.
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +25,7 @@ import optax
 from flax import nnx
 
 from jdp.bridges.task import Task
+from jdp.core.loss import signature_mismatch
 from jdp.core.mesh import DATA_AXIS, device_axes
 from jdp.core.state import TrainState
 from jdp.core.weighting import is_weighted
@@ -136,7 +136,7 @@ def make_train_step(model: nnx.Module, loss_fn: Callable, optimizer, *, sync_bat
     """
     split = SplitModel.of(model, sync_batchnorm, device_axes(options.get("axis_name", DATA_AXIS),
                                                               options.get("replicas", 1)))
-    _check_arity(loss_fn, 3 if needs_rng else 2, "(model, batch, rngs)" if needs_rng else "(model, batch)")
+    _check_arity(loss_fn, needs_rng)
     for name in ("has_state", "needs_rng", "has_aux"):
         if name in options:
             raise ValueError(f"{name} is set by jdp.nnx.make_train_step from the model; do not pass it.")
@@ -166,7 +166,7 @@ def task(model: nnx.Module, loss_fn: Callable, metric_fn: Callable, train, test=
     from jdp.data import as_source  # the trainer's pipeline: not needed for a step alone
 
     split = SplitModel.of(model, sync_batchnorm)
-    _check_arity(loss_fn, 3 if needs_rng else 2, "(model, batch, rngs)" if needs_rng else "(model, batch)")
+    _check_arity(loss_fn, needs_rng)
     inner = _device_loss(split, loss_fn, has_aux=has_aux, needs_rng=needs_rng)
     trainer_loss = inner if has_aux else lambda *args: (lambda out: (out[0], ({}, out[1])))(inner(*args))
     return Task(split.params, split.rest, trainer_loss, split.metric_adapter(metric_fn), as_source(train),
@@ -191,15 +191,13 @@ def _device_loss(split: SplitModel, loss_fn, *, has_aux: bool, needs_rng: bool):
     return device_loss
 
 
-def _check_arity(fn: Callable, n: int, wanted: str) -> None:
+def _check_arity(fn: Callable, needs_rng: bool) -> None:
     if not callable(fn):
         raise ValueError(f"loss_fn must be callable, got {type(fn).__name__}.")
-    try:
-        inspect.signature(fn).bind(*range(n))
-    except TypeError:
-        raise ValueError(f"loss_fn must take {wanted}; its signature is {inspect.signature(fn)}.") from None
-    except ValueError:  # no signature (a builtin): trust it
-        pass
+    names = ["model", "batch", *(["rngs"] if needs_rng else [])]
+    mismatch = signature_mismatch(fn, names, needs_rng, "an nnx.Rngs")
+    if mismatch:
+        raise ValueError(mismatch)
 
 
 def _transformation(optimizer, params):

@@ -7,6 +7,9 @@ None for a plain mean loss, which is differentiated as it is).
 """
 from __future__ import annotations
 
+import inspect
+from collections.abc import Sequence
+
 import jax
 import jax.numpy as jnp
 
@@ -65,6 +68,33 @@ def _device_axis_hint(batch, error: BaseException) -> str | None:
             f"jdp splits it over the devices.")
 
 
+def signature_mismatch(loss_fn, names: Sequence[str], needs_rng: bool, rng: str,
+                       has_state: bool | None = None) -> str | None:
+    """The sentence for a loss whose signature cannot take the arguments `names` its options declare
+    (None when it can, or when it has none to read, as a builtin). One argument more without needs_rng
+    names needs_rng=True (`rng`: what jdp then passes); has_state: False where the option exists and is
+    off (then named too)."""
+    try:
+        signature = inspect.signature(loss_fn)
+    except (TypeError, ValueError):
+        return None
+
+    def binds(n):
+        try:
+            signature.bind(*range(n))
+            return True
+        except TypeError:
+            return False
+
+    if binds(len(names)):
+        return None
+    if not needs_rng and binds(len(names) + 1):
+        state = ", or has_state=True if it takes the model state before the batch" if has_state is False else ""
+        return (f"loss_fn takes {signature}, one argument more than ({', '.join(names)}): pass needs_rng=True if the "
+                f"last is a random key (jdp then passes {rng} from the seed, the micro-step and the device){state}.")
+    return f"loss_fn must take ({', '.join(names)}); its signature is {signature}."
+
+
 def call_loss(loss_fn, o: StepOptions, params, model_state, batch, key):
     """Call loss_fn as declared; always returns `(total, (aux, new_model_state, weight))`."""
     try:
@@ -82,7 +112,9 @@ def call_loss(loss_fn, o: StepOptions, params, model_state, batch, key):
             raise ValueError(f"loss_fn reduces over the mesh axis {unbound[0]!r} (a BatchNorm axis_name or a "
                              f"lax.pmean/psum inside it), but the step binds {o.axis_name!r}: pass "
                              f"axis_name={unbound[0]!r} to make_train_step, or name {o.axis_name!r} in the model.") from None
-        hint = _device_axis_hint(batch, e)
+        names = ["params", *(["model_state"] if o.has_state else []), "batch", *(["key"] if o.needs_rng else [])]
+        hint = (signature_mismatch(loss_fn, names, o.needs_rng, "a jax.random key", o.has_state)
+                if isinstance(e, TypeError) else None) or _device_axis_hint(batch, e)
         if hint is None:
             raise
         raise ValueError(hint) from e

@@ -38,6 +38,16 @@ class Split:
     def dtype(self):
         return self.value.dtype
 
+    def _refuse(self, *_args, **_kwargs):
+        raise TypeError(f"a params leaf under gather_in_model=True is a jdp.fsdp.Split, this device's block of "
+                        f"it (shape {tuple(self.value.shape)}, split along dimension {self.dim}), not an array; "
+                        f"gather it first with jdp.fsdp.gather(leaf) (or jdp.fsdp.gather(params) for a whole "
+                        f"subtree, inside the layer that uses it).")
+
+    # Indexing or computing with a block instead of the whole leaf: one sentence naming the fix.
+    __getitem__ = __matmul__ = __rmatmul__ = __add__ = __radd__ = __sub__ = __rsub__ = _refuse
+    __mul__ = __rmul__ = __truediv__ = __rtruediv__ = __pow__ = __neg__ = __array__ = _refuse
+
     def whole(self) -> jax.Array:
         """The whole leaf (one all-gather along `dim`), in the compute dtype."""
         dtype = self.value.dtype if self.compute is None else jnp.dtype(self.compute)

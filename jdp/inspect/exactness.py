@@ -6,8 +6,9 @@ for an nnx model, with `optax.MultiSteps` over the micro-batches when accum_step
 """
 from __future__ import annotations
 
+import fnmatch
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import jax
@@ -18,7 +19,8 @@ from flax import nnx
 
 from jdp.core.step import get_tree
 from jdp.core.step import make_train_step as make_array_step
-from jdp.inspect.reference import micro_batches, one_device_reference, own_count_hint
+from jdp.inspect.exactness_hints import failure_hint, leaves as _leaves
+from jdp.inspect.reference import micro_batches, one_device_reference
 from jdp.inspect.replicas import check_replicas
 
 # dtype: (rtol, atol). A leaf passes if max |jdp - reference| <= atol + rtol * max |reference|.
@@ -127,6 +129,8 @@ class _Setup:
     has_state: bool
     rtol: float | None
     atol: float | None
+    atol_for: tuple[tuple[str, float], ...] = ()  # (leaf name pattern, atol), the first match wins
+    mask_key: str | None = None  # the step's mask_key ("auto" read as None, as the step reads it)
 
 
 def assert_data_parallel_exact(loss_fn: Callable, optimizer, params_or_model, batches: Iterable, *,
@@ -134,13 +138,14 @@ def assert_data_parallel_exact(loss_fn: Callable, optimizer, params_or_model, ba
                                backends: Sequence[str] | str = ("shard_map", "pmap"), accum_steps: int = 1,
                                accum_sync: Sequence[str] | str = ("every", "last"), has_aux: bool = False,
                                has_state: bool = False, model_state=None, rtol: float | None = None,
-                               atol: float | None = None, **step_options) -> ExactnessReport:
+                               atol: float | None = None, atol_for: Mapping[str, float] | None = None,
+                               **step_options) -> ExactnessReport:
     """Assert that jdp on N devices takes the steps one device takes on the same global batches.
 
     Args:
       loss_fn: `loss_fn(params, batch)` (array params) or `loss_fn(model, batch)` (an nnx model):
-        the MEAN loss over the examples it is given, as for `jdp.make_train_step`, or (array
-        params) `jdp.Weighted(sum, weight)`, e.g. over real tokens, whose reference divides the
+        the MEAN loss over the examples it is given, as for `jdp.make_train_step`, or
+        `jdp.Weighted(sum, weight)`, e.g. over real tokens (array params or a model), whose reference divides the
         sums of each optimizer step's whole global batch by its whole weight once; `(loss, aux)`
         with has_aux (aux: scalar means such as accuracy; compared too). With has_state (array
         params, e.g. a Linen model with BatchNorm): `loss_fn(params, model_state, batch) -> (loss,
@@ -161,6 +166,10 @@ def assert_data_parallel_exact(loss_fn: Callable, optimizer, params_or_model, ba
       rtol, atol: a leaf passes if max |jdp - reference| <= atol + rtol · max |reference|;
         default by the leaf's dtype, `TOLERANCES` (float32: 1e-5 each). Pass your own for a model
         that computes in lower precision than its params, or for long runs.
+      atol_for: {leaf name or fnmatch pattern: atol} for params and model state leaves named as the
+        report names them (`{"params.attn.bk": 1e-2}`, `{"params.*.bias": 1e-2}`): those leaves'
+        atol (rtol stays). For a leaf whose true gradient is 0 (an attention key bias), where Adam
+        turns rounding into steps of the learning rate's size; a pattern that matches no leaf is refused.
       **step_options: passed on to the step (`reduction`, `lr_correction`, `skip_nonfinite`,
         `mask_key` (default None here: the batch is taken as it is), `axis_name` (the mesh axis
         the loss reduces over, e.g. 'batch' for `nn.BatchNorm(axis_name='batch')`), and for a model
@@ -170,22 +179,27 @@ def assert_data_parallel_exact(loss_fn: Callable, optimizer, params_or_model, ba
     the whole global batch on the first device, the loss run with `axis_name` bound on that one
     device (`jax.vmap` over an axis of size 1, so a BatchNorm's or a metric's `lax.pmean` is the
     identity); for an nnx model, `nnx.value_and_grad` and an `nnx.Optimizer`, BatchNorm statistics
-    compared too. Per run, the params (and model state), the loss and aux of every step, the
-    optimizer step count and the replicas (`jdp.check_replicas`) are checked.
+    compared too; a `jdp.Weighted` loss's reference (array params or a model) sums each optimizer
+    step's totals, gradients and weights over its micro-batches and divides once. Per run, the
+    params (and model state), the loss and aux of every step, the optimizer step count and the
+    replicas (`jdp.check_replicas`) are checked.
 
     Returns the `ExactnessReport` (print it). Raises `NotExactError` (an AssertionError): with the
     report, failing leaves first, when a leaf is beyond its tolerance or when the reference moved no
     parameter beyond its tolerance (the comparison would prove nothing); without it (`.report` None)
     when the reference went NaN/Inf, or a run's replicas or optimizer step count are wrong. A
     plain loss that fails because it is not a mean over examples (it divides by each device's own
-    count of tokens) is named as the cause, with the weighted form that fixes it.
+    count of tokens), or a `jdp.Weighted` loss whose total is not a sum, is named as the cause, with
+    the form that fixes it; so are failing leaves whose gradient is ~0 (`atol_for` above).
     """
     batches, backends, syncs = _checked_arguments(batches, backends, accum_sync, step_options)
     devices = _checked_devices(devices)
-    setup = _setup(loss_fn, optimizer, params_or_model, has_aux, has_state, model_state, rtol, atol)
-    reference = one_device_reference(setup, loss_fn, params_or_model, batches, accum_steps, has_aux,
-                                     step_options.get("axis_name", "data"), devices[0])
+    setup = _setup(loss_fn, optimizer, params_or_model, has_aux, has_state, model_state, rtol, atol, atol_for,
+                   step_options["mask_key"])
+    axis = step_options.get("axis_name", "data")
+    reference = one_device_reference(setup, loss_fn, params_or_model, batches, accum_steps, has_aux, axis, devices[0])
     _check_reference_finite(reference[1])
+    _check_atol_for(setup, reference[1])
     rows, labels = [], []
     for backend in backends:
         for sync in (syncs if accum_steps > 1 else syncs[:1]):
@@ -196,8 +210,9 @@ def assert_data_parallel_exact(loss_fn: Callable, optimizer, params_or_model, ba
     try:
         return _verdict(rows, labels, len(devices), len(batches))
     except NotExactError as e:
-        hint = None if isinstance(params_or_model, nnx.Module) or e.report is None else own_count_hint(
-            setup, micro_batches(batches[0], accum_steps)[0], len(devices), step_options.get("axis_name", "data"))
+        if e.report is None or e.report.ok:
+            raise
+        hint = failure_hint(setup, e.report.failures, micro_batches(batches[0], accum_steps)[0], len(devices), axis)
         if hint is None:
             raise
         raise NotExactError(f"{hint}\n{e}", e.report) from None
@@ -229,7 +244,7 @@ def _checked_devices(devices) -> list:
     return list(devices)
 
 
-def _setup(loss_fn, optimizer, start, has_aux, has_state, model_state, rtol, atol) -> _Setup:
+def _setup(loss_fn, optimizer, start, has_aux, has_state, model_state, rtol, atol, atol_for, mask_key) -> _Setup:
     is_model = isinstance(start, nnx.Module)
     tx = optimizer.tx if is_model and isinstance(optimizer, nnx.Optimizer) else optimizer
     if not isinstance(tx, optax.GradientTransformation):
@@ -241,7 +256,24 @@ def _setup(loss_fn, optimizer, start, has_aux, has_state, model_state, rtol, ato
     if has_state != (model_state is not None and bool(jax.tree.leaves(model_state))):
         raise ValueError("has_state=True and model_state=... go together: pass both (the model state the loss "
                          "takes, e.g. variables['batch_stats']), or neither.")
-    return _Setup(loss_fn, tx, start, model_state, has_aux, has_state, rtol, atol)
+    if atol_for is not None and not (isinstance(atol_for, Mapping) and all(
+            isinstance(k, str) and isinstance(v, (int, float)) and v >= 0 for k, v in atol_for.items())):
+        raise ValueError(f"atol_for must map leaf names (or fnmatch patterns) to tolerances >= 0, e.g. "
+                         f"{{'params.attn.bk': 1e-2}}; got {atol_for!r:.80}.")
+    return _Setup(loss_fn, tx, start, model_state, has_aux, has_state, rtol, atol,
+                  tuple((k, float(v)) for k, v in (atol_for or {}).items()), None if mask_key == "auto" else mask_key)
+
+
+def _check_atol_for(setup: _Setup, ref_final) -> None:
+    names = [group + path for group in ref_final for path in _leaves(ref_final[group])]
+    for pattern, _ in setup.atol_for:
+        if not fnmatch.filter(names, pattern):
+            raise ValueError(f"atol_for names {pattern!r}, which matches no leaf; the leaves are "
+                             f"{', '.join(names[:8])}{' ...' if len(names) > 8 else ''}.")
+
+
+def _leaf_atol(setup: _Setup, name: str) -> float | None:
+    return next((a for pattern, a in setup.atol_for if fnmatch.fnmatchcase(name, pattern)), setup.atol)
 
 
 def _check_reference_finite(ref_final) -> None:
@@ -283,7 +315,7 @@ def _run_jdp(label: str, setup: _Setup, batches: list, options: dict):
 
 def _compare_run(label: str, setup: _Setup, run, reference) -> list[LeafDiff]:
     (final, losses, auxes), (initial, ref_final, ref_losses, ref_aux) = run, reference
-    rows = _compare(label, final, ref_final, initial, setup.rtol, setup.atol)
+    rows = _compare(label, final, ref_final, initial, setup)
     rows += _compare_steps(label, "loss", losses, ref_losses, setup.rtol, setup.atol)
     if setup.has_aux:
         got_aux, want_aux = _per_step(auxes), _per_step(ref_aux)
@@ -317,16 +349,6 @@ def _nnx_make_train_step(model, loss_fn, optimizer, **options):
     return make_train_step(model, loss_fn, optimizer, **options)
 
 
-def _leaves(tree) -> dict[str, np.ndarray]:
-    """{".a.b": leaf} with nnx's trailing ".value" dropped."""
-    out = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        name = jax.tree_util.keystr(path, simple=True, separator=".")
-        name = name.removesuffix(".value") if name != "value" else ""
-        out["." + name if name else ""] = np.asarray(leaf)
-    return out
-
-
 def _per_step(trees: list) -> dict[str, list[np.ndarray]]:
     """[{aux} per step] as {".name": [value per step]}."""
     per_step = [_leaves(t) for t in trees]
@@ -352,14 +374,15 @@ def _max_diff(a, b) -> float:
     return float(np.max(np.where(np.isnan(diff), math.inf, diff)))
 
 
-def _compare(label, got, want, initial, rtol, atol) -> list[LeafDiff]:
+def _compare(label, got, want, initial, setup: _Setup) -> list[LeafDiff]:
     rows = []
     for group in want:
         g, w, i = _leaves(got[group]), _leaves(want[group]), _leaves(initial[group])
         if g.keys() != w.keys():
             raise AssertionError(f"{label}: the step's {group} have leaves {sorted(g)}, the reference's {sorted(w)}.")
         for path, ref in w.items():
-            rows.append(LeafDiff(label, group + path, _max_diff(g[path], ref), _tolerance(ref, rtol, atol),
+            rows.append(LeafDiff(label, group + path, _max_diff(g[path], ref),
+                                 _tolerance(ref, setup.rtol, _leaf_atol(setup, group + path)),
                                  _max_diff(ref, i[path]), ref.dtype.name))
     return rows
 

@@ -6,8 +6,8 @@ accum_steps > 1. A loss that returns `jdp.Weighted(total, weight)` is a mean ove
 of an optimizer step: its reference sums the totals, gradients and weights of the step's M
 micro-batches and divides once (never `optax.MultiSteps`' mean of micro-batch means). A plain loss
 that divides by its own examples' or tokens' count is not a mean over examples: its value on the
-whole batch differs from the mean of its values on the device shards, which `own_count_hint`
-measures.
+whole batch differs from the mean of its values on the device shards, which
+`jdp.inspect.exactness_hints.own_count_hint` measures.
 """
 from __future__ import annotations
 
@@ -28,20 +28,44 @@ def one_device_reference(setup, loss_fn, params_or_model, batches: list, accum_s
     aux per step), the trees as {"params": ..., "model_state": ...} on the host."""
     tx = setup.tx if accum_steps == 1 else optax.MultiSteps(setup.tx, accum_steps).gradient_transformation()
     if isinstance(params_or_model, nnx.Module):
-        return _reference_model(loss_fn, tx, params_or_model, batches, accum_steps, has_aux, device)
+        loss = model_loss(setup)
+        if is_weighted_model_loss(loss, params_or_model, batches[0]):
+            return _reference_model(loss, setup.tx, params_or_model, batches, accum_steps, device, True)
+        return _reference_model(loss, tx, params_or_model, batches, accum_steps, device)
     if is_weighted_loss(setup, batches[0], axis):
         return reference_weighted(setup, batches, accum_steps, axis, device)
     return _reference_params(setup, tx, batches, accum_steps, axis, device)
 
 
 def _call(setup, params, model_state, batch):
-    """(loss, aux, new_model_state) of the user's loss, as declared."""
+    """(loss, aux, new_model_state) of the user's loss, as declared. Under `mask_key` (a batch entry
+    of that name beside a plain loss `sum(mask · l) / b`) the loss and aux are read as jdp reads
+    them: `jdp.Weighted(b · loss, sum(mask))`."""
     out = setup.loss_fn(params, model_state, batch) if setup.has_state else setup.loss_fn(params, batch)
     if setup.has_aux and setup.has_state:
-        return out[0], out[1][0], out[1][1]
-    if setup.has_aux:
-        return out[0], out[1], model_state
-    return (out[0], {}, out[1]) if setup.has_state else (out, {}, model_state)
+        loss, aux, new_state = out[0], out[1][0], out[1][1]
+    elif setup.has_aux:
+        loss, aux, new_state = out[0], out[1], model_state
+    else:
+        loss, aux, new_state = (out[0], {}, out[1]) if setup.has_state else (out, {}, model_state)
+    return (*_masked(setup, batch, loss, aux), new_state)
+
+
+def _masked(setup, batch, loss, aux):
+    """(loss, aux) as jdp's step reads them: under `mask_key`, a plain loss beside the mask is
+    `sum(mask · l) / b`, so `jdp.Weighted(b · loss, sum(mask))`, its aux the same; else as they are."""
+    key = setup.mask_key
+    if key is None or not isinstance(batch, dict) or key not in batch or is_weighted(loss):
+        return loss, aux
+    rows, w = len(batch[key]), jnp.sum(batch[key], dtype=jnp.float32)
+    return Weighted(loss * rows, w), weighted_aux(aux, lambda a: Weighted(a * rows, w))
+
+
+def model_loss(setup):
+    """An nnx model's loss as `(model, batch) -> (loss, aux)`, read under `mask_key` as `_call` reads it."""
+    def loss(model, batch):
+        return _masked(setup, batch, *_with_aux(setup.loss_fn, setup.has_aux)(model, batch))
+    return loss
 
 
 def is_weighted_loss(setup, batch, axis: str) -> bool:
@@ -50,6 +74,14 @@ def is_weighted_loss(setup, batch, axis: str) -> bool:
     params = jax.tree.map(jnp.asarray, setup.start)
     traced = jax.vmap(lambda b: _call(setup, params, model_state, b)[0], axis_name=axis)
     out = jax.eval_shape(traced, jax.tree.map(lambda x: np.asarray(x)[None], batch))
+    return is_weighted(out)
+
+
+def is_weighted_model_loss(loss, model, batch) -> bool:
+    """Whether `loss(model, batch)` (`model_loss`) returns `jdp.Weighted` (traced once on a copy of
+    the model's state, nothing computed, the model left as it was)."""
+    graphdef, state = nnx.split(model)
+    out = jax.eval_shape(lambda s, b: loss(nnx.merge(graphdef, s, copy=True), b)[0], state, batch)
     return is_weighted(out)
 
 
@@ -93,32 +125,6 @@ def reference_weighted(setup, batches, m: int, axis: str, device):
     if setup.has_state:
         initial["model_state"], final["model_state"] = jax.device_get(setup.model_state), jax.device_get(model_state)
     return initial, final, jax.device_get(losses), auxes
-
-
-def own_count_hint(setup, batch, devices: int, axis: str) -> str | None:
-    """A sentence when a plain loss is not a mean over examples: on `batch` (one micro-batch) its
-    value differs from the mean of its values on the `devices` shards, as when it divides by each
-    shard's own count of tokens; None when it is a mean (or has model state, which shards change)."""
-    if setup.has_state or not all(np.shape(x)[0] % devices == 0 for x in jax.tree.leaves(batch)):
-        return None
-    params = jax.tree.map(jnp.asarray, setup.start)
-    value = jax.jit(jax.vmap(lambda b: _call(setup, params, (), b)[0], axis_name=axis))
-    stacked = lambda tree, n: jax.tree.map(lambda x: np.asarray(x).reshape(n, -1, *np.shape(x)[1:]), tree)  # noqa: E731
-    whole = float(value(stacked(batch, 1))[0])
-    shards = [float(value(stacked(jax.tree.map(lambda x, d=d: np.asarray(x)[np.arange(len(x)) // (len(x) // devices)
-                                                                         == d], batch), 1))[0])
-              for d in range(devices)]
-    mean = float(np.mean(shards))
-    if abs(whole - mean) <= 1e-5 * max(1.0, abs(whole)):
-        return None
-    if abs(whole - devices * mean) <= 1e-4 * max(1.0, abs(whole)):
-        return (f"loss_fn is not a mean over examples: on the first batch its value on the whole batch ({whole:.6g}) is "
-                f"{devices} times the mean of its values on the {devices} device shards ({mean:.6g}), as a sum over "
-                f"examples is; return the mean (jdp averages over devices), or jdp.Weighted(sum, count).")
-    return (f"loss_fn is not a mean over examples: on the first batch its value on the whole batch ({whole:.6g}) "
-            f"differs from the mean of its values on the {devices} device shards ({mean:.6g}), as when it divides by "
-            f"each shard's own count of real tokens; return jdp.Weighted(sum of the losses, their count) so that jdp "
-            f"divides by the global count once.")
 
 
 def micro_batches(batch, m: int) -> list:
@@ -167,8 +173,13 @@ def _reference_params(setup, tx, batches, m, axis: str, device):
     return initial, final, jax.device_get(losses), jax.device_get(auxes)
 
 
-def _reference_model(loss_fn, tx, model, batches, m, has_aux, device):
-    """The one-device nnx loop: nnx.value_and_grad and an nnx.Optimizer, on the whole (micro-)batch."""
+def _reference_model(loss_fn, tx, model, batches, m, device, weighted: bool = False):
+    """The one-device nnx loop: nnx.value_and_grad and an nnx.Optimizer, on the whole (micro-)batch;
+    `loss_fn` as `model_loss` makes it.
+
+    weighted (a loss that returns `jdp.Weighted`): per optimizer step, the M micro-batches' totals,
+    gradients, aux and weights summed, the gradient divided once by the step's weight, then one
+    `opt.update` (`tx` is then the optimizer itself, not `optax.MultiSteps`)."""
     with jax.default_device(device):
         model = nnx.clone(model)
         nnx.update(model, jax.device_put(nnx.state(model), device))
@@ -176,9 +187,23 @@ def _reference_model(loss_fn, tx, model, batches, m, has_aux, device):
 
         @nnx.jit
         def step(model, opt, batch):
-            (loss, aux), grads = nnx.value_and_grad(_with_aux(loss_fn, has_aux), has_aux=True)(model, batch)
+            (loss, aux), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, batch)
             opt.update(model, grads)
             return loss, aux
+
+        @nnx.jit
+        def sums(model, batch):
+            def total(model):
+                loss, aux = loss_fn(model, batch)
+                w = jnp.asarray(loss.weight, jnp.float32)
+                return loss.total, (w, weighted_aux(aux, lambda a: Weighted(a * w, w)))
+
+            (value, (w, aux)), grads = nnx.value_and_grad(total, has_aux=True)(model)
+            return grads, value, w, aux
+
+        @nnx.jit
+        def update(model, opt, grads, weight):
+            opt.update(model, jax.tree.map(lambda g: g / weight, grads))
 
         def parts(model):
             _, params, _, rest = nnx.split(model, nnx.Param, nnx.RngState, ...)
@@ -187,7 +212,18 @@ def _reference_model(loss_fn, tx, model, batches, m, has_aux, device):
         initial = parts(model)
         losses, auxes = [], []
         for batch in batches:
-            outs = [step(model, opt, jax.device_put(micro, device)) for micro in micro_batches(batch, m)]
+            micros = [jax.device_put(micro, device) for micro in micro_batches(batch, m)]
+            if weighted:
+                acc = None
+                for micro in micros:
+                    call = sums(model, micro)
+                    acc = call if acc is None else jax.tree.map(jnp.add, acc, call)
+                grads, value, w, aux = acc
+                update(model, opt, grads, w)
+                losses.append(np.float32(value / w))
+                auxes.append(jax.device_get(ratios(aux)))
+                continue
+            outs = [step(model, opt, micro) for micro in micros]
             losses.append(_mean([o[0] for o in outs]))
             auxes.append(jax.tree.map(lambda *xs: _mean(xs), *[o[1] for o in outs]))
         return initial, parts(model), jax.device_get(losses), jax.device_get(auxes)

@@ -262,6 +262,7 @@ def validate(config: Config, num_devices: int | None) -> Config:
                               f"data.drop_last=true no batch is ever full.")
 
     _check_step_and_optimizer(config)
+    _check_profile_steps(config)
     if num_devices is not None and p.devices is not None and p.devices > num_devices:
         raise ConfigError(f"parallel.devices={p.devices} is more than the {num_devices} devices available.")
     devices = p.devices if p.devices is not None else num_devices
@@ -293,7 +294,37 @@ def _check_data_files(d: DataConfig) -> None:
         raise ConfigError(f"data.path must be the path of a .npz file with data.name='arrays', got {quoted(d.path)}.")
     for key, path in (("path", d.path), ("val_path", d.val_path)):
         if path is not None and not os.path.isfile(path):
-            raise ConfigError(f"data.{key}={quoted(path)} is not a file (relative paths start at {os.getcwd()}).")
+            where = f"data.{key}={quoted(path)} is {'a directory' if os.path.isdir(path) else 'not a file'}"
+            if d.name != "tokens":
+                raise ConfigError(f"{where} (relative paths start at {os.getcwd()}).")
+            raise ConfigError(f"{where} (relative paths start at {os.getcwd()}); {_token_files_hint(key, path)}")
+
+
+def _token_files_hint(key: str, path: str) -> str:
+    """How to make the token file data.path or data.val_path names: `jdp data prepare-tokens`."""
+    from jdp.data.prepare import TOKEN_FILES
+
+    wanted = TOKEN_FILES[key == "val_path"]
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, wanted)):
+        return f"data.{key} is the token file itself: {quoted(os.path.join(path, wanted))}."
+    folder = path if os.path.isdir(path) or os.path.basename(path) not in TOKEN_FILES else os.path.dirname(path) or "."
+    return (f"make the token files with jdp data prepare-tokens INPUT OUTPUT (INPUT a UTF-8 text file, or "
+            f"python-reference), which writes OUTPUT/train.bin (data.path) and OUTPUT/val.bin (data.val_path): here "
+            f"jdp data prepare-tokens INPUT {folder}.")
+
+
+def _check_profile_steps(config: Config) -> None:
+    """A profile range the run cannot reach (its LAST after train.steps, the run's last step) is refused:
+    the run would end without a trace and without a word."""
+    from jdp.run.profile import parse_steps
+
+    steps = parse_steps(config.train.profile_steps)
+    if steps is not None and steps[1] > config.train.steps:
+        where = f"starts at step {steps[0]}" if steps[0] > config.train.steps else f"ends at step {steps[1]}"
+        raise ConfigError(f"train.profile_steps={config.train.profile_steps!r} (--profile-steps) {where}, after the "
+                          f"run's last step, train.steps={config.train.steps}, so no trace would be written; profile "
+                          f"steps within 1..{config.train.steps}, e.g. {min(steps[0], config.train.steps)}:"
+                          f"{config.train.steps}.")
 
 
 def _check_step_and_optimizer(config: Config) -> None:

@@ -1,7 +1,9 @@
 """The configs that ship inside the package (`jdp/configs/*.yaml`), addressable by name.
 
 `jdp train char_gpt` trains the shipped `char_gpt.yaml` wherever jdp is installed; a path to a
-YAML file works as before, and a file of that path wins over a shipped name. `jdp configs` lists
+YAML file works as before. The rule: a path that is a file is a config file (it wins over a shipped
+name); a directory is never a config, so a shipped name wins over a directory of that name (a run's
+own workdir, `jdp train digits_mlp --workdir digits_mlp`). `jdp configs` lists
 them with the result each should reach: every shipped config's header (its leading `#` lines)
 says what it trains, then `# Run: <the command>` and `# Expected result: <measured>` (continued on
 lines that start with `#   `). Nothing here imports jax.
@@ -63,16 +65,20 @@ def shipped_configs() -> list[ShippedConfig]:
 
 
 def resolve_config(arg: str | None) -> str | None:
-    """The YAML file `jdp train ARG` reads: `arg` itself when it is an existing file; else the shipped
-    config named `arg` (`char_gpt`, `char_gpt.yaml`, or `configs/char_gpt.yaml` as the docs of a
-    checkout write it). ConfigError naming `arg` and the shipped names when it is neither."""
-    if arg is None or os.path.exists(arg):
-        return arg
+    """The YAML file `jdp train ARG` reads: `arg` itself when it is a file; else the shipped config
+    named `arg` (`char_gpt`, `char_gpt.yaml`, or `configs/char_gpt.yaml` as the docs of a checkout
+    write it), even where a directory of that name exists (a directory is never a config). ConfigError
+    naming `arg` and the shipped names when it is neither."""
+    if arg is None or os.path.isfile(arg) or (os.path.exists(arg) and not os.path.isdir(arg)):
+        return arg  # a file, or something else that is not a directory (read_yaml names what it is)
     name = os.path.basename(arg) if os.path.dirname(arg) == "configs" else arg
     name = name[:-len(".yaml")] if name.endswith(".yaml") else name
     if os.sep not in name and "/" not in name and os.path.isfile(os.path.join(CONFIG_DIR, name + ".yaml")):
         return os.path.join(CONFIG_DIR, name + ".yaml")
     names = ", ".join(c.name for c in shipped_configs())
+    if os.path.isdir(arg):
+        raise ConfigError(f"config {quoted(arg)} is a directory, and a directory is never a config; give a YAML file "
+                          f"or the name of a shipped config: {names} (jdp configs lists them).")
     raise ConfigError(f"config {quoted(arg)} is neither a file nor a shipped config; the shipped ones are {names} "
                       f"(jdp configs lists them).")
 
