@@ -81,7 +81,8 @@ import optax
 
 from jdp.core.algorithm import Step, device_step
 from jdp.core.fsdp import FullyShardedLayout, host_whole
-from jdp.core.layouts import LAYOUTS, UNSIZED, aux_shapes
+from jdp.core.global_view import JitLayout
+from jdp.core.layouts import LAYOUTS, UNSIZED
 from jdp.core.loss import call_loss
 from jdp.core.mesh import DATA_AXIS, data_axes, make_mesh
 from jdp.core.model_state import check_agreement, check_structure, spread_over_devices
@@ -117,7 +118,9 @@ class TrainStep:
         self._given_optimizer = optimizer
         # accum_sync="last" sums per device; "every" (M > 1) sums reduced, replicated metrics.
         accum = "per_device" if o.local_accum else "replicated" if o.multi_steps else None
-        self.layout = (FullyShardedLayout(self.mesh, accum, self.optimizer, o.precision, o.gather_in_model)
+        self.layout = (JitLayout(self.mesh, accum, self.optimizer, "params" if o.shard_params else
+                                 "optimizer" if o.shard_optimizer_state else None) if o.backend == "jit"
+                       else FullyShardedLayout(self.mesh, accum, self.optimizer, o.precision, o.gather_in_model)
                        if o.shard_params
                        else ShardedStateLayout(self.mesh, accum, self.optimizer) if o.shard_optimizer_state
                        else LAYOUTS[o.backend](self.mesh, accum))
@@ -248,7 +251,7 @@ class _FirstCall:
         if state.accum is None or state.accum.aux is not UNSIZED:
             return state
         one = jax.eval_shape(self.layout.canonical, state.replace(accum=None))
-        aux = aux_shapes(self._loss, self.mesh, one.params, one.model_state, self.layout.device_batch(placed))
+        aux = self.layout.loss_shapes(self._loss, one.params, one.model_state, placed)
         empty = jax.jit(lambda: self.layout.empty_accum(one.params, aux),
                         out_shardings=self.layout.state_shardings.accum)
         return state.replace(accum=empty())
@@ -265,10 +268,10 @@ class _FirstCall:
             return
         one = self.layout.canonical(state.replace(accum=None))  # one copy, params whole (FSDP keeps slices)
         batch = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), placed) if state.stacked else placed
-        returned = aux_shapes(self._declared_loss, self.mesh, one.params, one.model_state,
-                              self.layout.device_batch(placed), part=1)
+        returned = self.layout.loss_shapes(self._declared_loss, one.params, one.model_state, placed, part=1)
         check_structure(one.model_state, returned)
-        if self.options.sync_batchnorm:
+        # the global view's statistics are the global batch's by construction: nothing per device to compare
+        if self.options.sync_batchnorm and not self.layout.global_view:
             spread, scale = spread_over_devices(self._loss, self.mesh, one.params, one.model_state, batch, one.rng,
                                                 one.micro_step)
             check_agreement(spread, scale, data_axes(self.mesh))
