@@ -129,7 +129,9 @@ def make_train_step(model: nnx.Module, loss_fn: Callable, optimizer, *, sync_bat
     Returns:
       An `NnxTrainStep`: `state = step.init(seed=0)`, `state, metrics = step(state, batch)`.
     """
-    split = SplitModel.of(model, sync_batchnorm, device_axes(options.get("axis_name", DATA_AXIS),
+    # backend="jit": the loss sees the global batch, so a BatchNorm's statistics are the global batch's
+    # without an axis name (and under jit no axis is bound to name)
+    split = SplitModel.of(model, sync_batchnorm and options.get("backend") != "jit", device_axes(options.get("axis_name", DATA_AXIS),
                                                               options.get("replicas", 1)))
     _check_arity(loss_fn, 3 if needs_rng else 2, "(model, batch, rngs)" if needs_rng else "(model, batch)")
     for name in ("has_state", "needs_rng", "has_aux"):
