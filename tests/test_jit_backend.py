@@ -1,5 +1,5 @@
 """backend="jit", the global view: the loss sees the global batch, the partitioner reduces, the same step."""
-import re
+import json
 
 import jax
 import jax.numpy as jnp
@@ -237,3 +237,23 @@ def test_the_gpt_residual_stream_is_pinned_batch_sharded_under_jit():
     # pinned: the gradient is all-reduced once (measured 1.0x of it); unpinned the partitioner moves the
     # params' split into the activations and all-reduces 3.9x the gradient's bytes
     assert reduced <= 1.1 * report.gradient_bytes, (reduced, report.gradient_bytes)
+
+
+def test_jdp_train_runs_digits_mlp_under_parallel_backend_jit_and_resumes(tmp_path):
+    from jdp.config import load_config
+    from jdp.train import train
+
+    def run(backend, workdir, steps=6, stop_after=None):
+        cfg = load_config(None, ["train.steps=6", "train.log_every=1", "train.checkpoint_every=2",
+                                 "data.batch_size=64", f"parallel.backend={backend}"])
+        train(cfg, str(workdir), devices=DEV, log=lambda *_: None, progress=False, stop_after=stop_after)
+        with open(workdir / "metrics.jsonl") as f:
+            return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
+
+    shard_map = run("shard_map", tmp_path / "a")
+    jit = run("jit", tmp_path / "b")
+    assert sorted(jit) == sorted(shard_map) and len(jit) == 6
+    np.testing.assert_allclose([jit[s] for s in sorted(jit)], [shard_map[s] for s in sorted(jit)], rtol=1e-5)
+    # parallel.backend is part of the run's identity (its dropout keys differ); a jit run resumes bit-exactly
+    run("jit", tmp_path / "c", stop_after=4)
+    assert run("jit", tmp_path / "c")[6] == jit[6]

@@ -29,7 +29,7 @@ def memory_table(config: Config, devices, fsdp_extra: list[str] = ()) -> list[di
     finally:
         batches.close()
     for name, layout in LAYOUTS.items():
-        if config.parallel.backend != "shard_map" and name != "replicated":
+        if config.parallel.backend == "pmap" and name != "replicated":
             continue  # pmap keeps a whole copy per device
         row = apply_overrides(config, [*layout, *(fsdp_extra if name == "FSDP" else ())])
         row_task = build_task(row) if row.model.sync_batchnorm else task  # BatchNorm's axes follow the groups
