@@ -176,6 +176,12 @@ QUICK = (
     "test_faults_api.py::test_a_nonfinite_model_state_is_never_saved",
     # `jdp train CONFIG --steps N` shorter than the config's warmup: scaled, said in one line, resumable.
     "test_feedback.py::test_steps_shorter_than_the_warmup_run_with_its_fraction_and_resume_as_they_ran",
+    "test_jit_backend.py::test_what_jit_cannot_mean_is_refused_in_one_sentence",
+    "test_jit_backend.py::test_a_loss_that_names_an_axis_is_refused_under_jit",
+    "test_jit_backend.py::test_comm_and_memory_reports_read_the_jit_program",
+    "test_jit_backend.py::test_dropout_keys_under_jit_are_one_devices",
+    "test_jit_backend.py::test_a_weighted_losss_metrics_are_the_global_batchs",
+    "test_jit_backend.py::test_the_gpt_residual_stream_is_pinned_batch_sharded_under_jit",
 )
 
 

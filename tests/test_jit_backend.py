@@ -257,3 +257,12 @@ def test_jdp_train_runs_digits_mlp_under_parallel_backend_jit_and_resumes(tmp_pa
     # parallel.backend is part of the run's identity (its dropout keys differ); a jit run resumes bit-exactly
     run("jit", tmp_path / "c", stop_after=4)
     assert run("jit", tmp_path / "c")[6] == jit[6]
+
+
+def test_a_weighted_losss_metrics_are_the_global_batchs():
+    weighted = lambda p, b: jdp.Weighted(jnp.sum(b["mask"] * per_example(p, b)), jnp.sum(b["mask"]))  # noqa: E731
+    step = jdp.make_train_step(weighted, SGD, devices=DEV, backend="jit")
+    batch = masked_batches(1)[0]
+    _, metrics = step(step.init(mlp_params()), batch)
+    assert float(metrics["weight"]) == batch["mask"].sum() == 22  # the step's real examples, all devices
+    np.testing.assert_allclose(metrics["loss"], global_token_mean(mlp_params(), batch), rtol=1e-6)
