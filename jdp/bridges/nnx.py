@@ -43,6 +43,7 @@ class SplitModel:
     rng_state: Any  # stored nnx.Rngs streams: reseeded on every call, never carried
     rest: Any  # every other variable (BatchNorm statistics): jdp's model_state
     streams: tuple[str, ...]  # the tags of the stored rng streams
+    annotations: Any = None  # the params' sharding annotations (`nnx.with_partitioning`), None if there are none
 
     @classmethod
     def of(cls, model: nnx.Module, sync_batchnorm: bool, axis_name: str | tuple = DATA_AXIS) -> SplitModel:
@@ -50,6 +51,7 @@ class SplitModel:
             raise ValueError(f"model must be an nnx.Module, got {type(model).__name__}; for Linen, see "
                              f"jdp.linen.make_train_step.")
         copy = nnx.clone(model)
+        annotations = set_aside_annotations(copy)
         if sync_batchnorm:
             for _, module in nnx.iter_modules(copy):
                 if isinstance(module, nnx.BatchNorm):
@@ -57,7 +59,8 @@ class SplitModel:
         graphdef, params, rng_state, rest = nnx.split(copy, nnx.Param, nnx.RngState, ...)
         streams = tuple(sorted({n.tag for _, n in nnx.iter_graph(copy) if isinstance(n, nnx.RngStream)}))
         copy.eval()
-        return cls(graphdef, nnx.split(copy, nnx.Param, nnx.RngState, ...)[0], params, rng_state, rest, streams)
+        return cls(graphdef, nnx.split(copy, nnx.Param, nnx.RngState, ...)[0], params, rng_state, rest, streams,
+                   annotations)
 
     def metric_adapter(self, metric_fn: Callable) -> Callable:
         """`metric_fn(model, batch)` as jdp's `(params, model_state, batch)`, the model in eval mode."""
@@ -140,7 +143,7 @@ def make_train_step(model: nnx.Module, loss_fn: Callable, optimizer, *, sync_bat
     tx = _transformation(optimizer, split.params)
     device_loss = _device_loss(split, loss_fn, has_aux=has_aux, needs_rng=needs_rng)
     step = make_array_step(device_loss, tx, has_aux=has_aux, has_state=True, needs_rng=True,
-                           sync_batchnorm=sync_batchnorm, **options)
+                           sync_batchnorm=sync_batchnorm, param_axes=split.annotations, **options)
     return NnxTrainStep(step, split)
 
 
@@ -186,6 +189,22 @@ def _device_loss(split: SplitModel, loss_fn, *, has_aux: bool, needs_rng: bool):
         return (loss, (aux, new_rest)) if has_aux else (loss, new_rest)
 
     return device_loss
+
+
+def set_aside_annotations(model: nnx.Module):
+    """The sharding annotations of `model`'s params (`nnx.with_partitioning`: each Param's
+    `out_sharding`), as a tree like its Param state, or None if it has none; removed from `model`
+    (jdp's copy), whose Variables would otherwise re-apply them on the step's mesh, which lacks
+    their axes. The step honours them under backend="jit" (`jdp.core.annotations`)."""
+    params = nnx.state(model, nnx.Param)
+    found = jax.tree.map(lambda v: v.get_metadata().get("out_sharding"), params,
+                         is_leaf=lambda x: isinstance(x, nnx.Variable))
+    if not any(x is not None for x in jax.tree.leaves(found, is_leaf=lambda x: x is None)):
+        return None
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Variable) and node.get_metadata().get("out_sharding") is not None:
+            node.set_metadata(out_sharding=None)
+    return found
 
 
 def _check_arity(fn: Callable, n: int, wanted: str) -> None:

@@ -31,7 +31,7 @@ import jax
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jdp.core.blockwise import WHOLE
+from jdp.core.annotations import mapped_specs, say_once
 from jdp.core.layouts import ShardMapLayout, state_tree
 from jdp.core.mesh import batch_sharded, data_axes, replicated
 from jdp.core.state import TrainState
@@ -69,6 +69,11 @@ class JitLayout(ShardMapLayout):
         self.batch = batch_sharded(mesh)
         self.shard_axis = mesh.axis_names[-1]  # the state is split along the mesh's last axis (hybrid: "shard")
         self.group = mesh.shape[self.shard_axis]
+        self.annotations, self.rules = None, {}  # the params' own sharding annotations (`annotate`)
+
+    def annotate(self, annotations, rules: dict) -> None:
+        """Lay the params out as their sharding annotations say, mapped by `rules` (`jdp.core.annotations`)."""
+        self.annotations, self.rules, self.cuts = annotations, dict(rules), None
 
     def per_device(self, params):
         return params  # the whole params, global: the gradient is the global batch's
@@ -93,21 +98,33 @@ class JitLayout(ShardMapLayout):
 
     def bind(self, params) -> bool:
         """Split the state's leaves for `params`' shapes (sharded layouts); True if the shardings changed."""
-        if self.shard is None:
+        if self.shard is None and self.annotations is None:
             return False
         cuts = Cuts(params, self.group, self.shard_axis)
         if self.cuts is not None and (cuts.treedef, cuts.leaves) == (self.cuts.treedef, self.cuts.leaves):
             return False
+        if self.annotations is not None:
+            param_specs, lacking = mapped_specs(params, self.annotations, self.rules, self.mesh,
+                                                self.shard == "params", self.shard_axis)
+            if lacking:
+                say_once(f"backend='jit' replicates the params' annotated axes {', '.join(map(repr, lacking))}, which "
+                         f"its mesh {dict(self.mesh.shape)} lacks; axis_rules={{{lacking[0]!r}: "
+                         f"{self.shard_axis!r}}} would split along one.")
+        else:
+            param_specs = cuts.specs() if self.shard == "params" else jax.tree.map(lambda _: P(), params)
+        split = cuts.treedef.flatten_up_to(param_specs)
         opt_struct = jax.eval_shape(self.optimizer.init, cuts.struct)
         index = cuts.treedef.unflatten(list(range(len(cuts.leaves))))
-        # an optimizer state leaf is split as its param is when it has the param's shape
-        opt_specs = optax.tree_map_params(
-            self.optimizer, lambda x, i: spec(cuts.dims[i] if x.shape == cuts.leaves[i].shape else WHOLE,
-                                              len(x.shape), self.shard_axis),
-            opt_struct, index, transform_non_params=lambda _: P())
-        specs = state_tree(P(), P(), self.accum).replace(opt_state=opt_specs)
-        if self.shard == "params":
-            specs = specs.replace(params=cuts.specs())
+
+        def opt_spec(x, i):  # an optimizer state leaf shaped like its param lies as that param does
+            if x.shape != cuts.leaves[i].shape:
+                return P()
+            if any(a is not None for a in split[i]) or self.shard is None:
+                return split[i]
+            return spec(cuts.dims[i], len(x.shape), self.shard_axis)  # ZeRO-1: split though the param is whole
+
+        opt_specs = optax.tree_map_params(self.optimizer, opt_spec, opt_struct, index, transform_non_params=lambda _: P())
+        specs = state_tree(P(), P(), self.accum).replace(opt_state=opt_specs, params=param_specs)
         self.cuts, self._jitted = cuts, None
         self.state_shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs,
                                             is_leaf=lambda x: isinstance(x, P))
@@ -115,7 +132,7 @@ class JitLayout(ShardMapLayout):
 
     def canonical(self, state: TrainState) -> TrainState:
         """Params and optimizer state whole and replicated, as the replicated layouts hold them."""
-        if self.shard is None:
+        if self.shard is None and self.annotations is None:
             return state
         return state.replace(params=jax.device_put(state.params, replicated(self.mesh)),
                              opt_state=jax.device_put(state.opt_state, replicated(self.mesh)))
@@ -128,7 +145,7 @@ class JitLayout(ShardMapLayout):
         return _BoundStep(self)
 
     def jitted(self):
-        if self.shard is not None and self.cuts is None:
+        if (self.shard is not None or self.annotations is not None) and self.cuts is None:
             raise ValueError("the step's state is sharded by the params' shapes: make the state with "
                              "step.init(params) first.")
         if self._jitted is None:

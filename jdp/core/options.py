@@ -53,6 +53,7 @@ class StepOptions:
     shard_params: bool = False  # FSDP: 1/N of the params too; implies shard_optimizer_state
     gather_in_model: bool = False  # shard_params: the model gathers its params itself (`jdp.fsdp.gather`), per layer
     replicas: int = 1  # hybrid sharding: the sharded state split within each of this many device groups
+    axis_rules: tuple = ()  # backend="jit": (annotation name, jdp mesh axis or None) pairs (`jdp.core.annotations`)
 
     def __post_init__(self):
         for field, choices in (("backend", BACKENDS), ("reduction", REDUCTIONS), ("accum_sync", ACCUM_SYNCS)):
@@ -97,11 +98,33 @@ class StepOptions:
             raise OptionError("gather_in_model", f"gather_in_model=True reduce-scatters each layer's gradient in the "
                               f"backward pass, in the params' dtype, so reduce_dtype={self.reduce_dtype!r} cannot "
                               f"apply; use reduce_dtype=None.")
+        self._check_axis_rules()
         if self.backend == "jit":
             self._check_global_view()
         object.__setattr__(self, "accum_steps", int(self.accum_steps))
         object.__setattr__(self, "replicas", int(self.replicas))
         object.__setattr__(self, "lr_correction", self._resolved_lr_correction())
+
+    def _check_axis_rules(self) -> None:
+        """axis_rules: a dict (or pairs) from a sharding annotation's axis names to jdp's mesh axes or None."""
+        rules = self.axis_rules
+        if rules is None:
+            rules = ()
+        if isinstance(rules, dict):
+            rules = tuple(rules.items())
+        axes = (REPLICA_AXIS, SHARD_AXIS) if self.replicas > 1 else (self.axis_name,)
+        if not isinstance(rules, (tuple, list)) or not all(isinstance(r, (tuple, list)) and len(r) == 2 for r in rules):
+            raise OptionError("axis_rules", f"axis_rules={self.axis_rules!r} must be a dict from the annotations' "
+                              f"axis names to one of jdp's mesh axes {axes} or None.")
+        for name, axis in rules:
+            if not isinstance(name, str) or not (axis is None or axis in axes):
+                raise OptionError("axis_rules", f"axis_rules maps {name!r} to {axis!r}; map a sharding annotation's "
+                                  f"axis name (a string) to one of jdp's mesh axes {axes} or to None (replicated).")
+        if rules and self.backend != "jit":
+            raise OptionError("axis_rules", f"axis_rules maps the params' sharding annotations onto the mesh, which "
+                              f"only backend='jit' honours; backend={self.backend!r} keeps whole params on every "
+                              f"device (drop axis_rules, or use backend='jit').")
+        object.__setattr__(self, "axis_rules", tuple((name, axis) for name, axis in rules))
 
     def _check_global_view(self) -> None:
         """Refuse what backend="jit" cannot mean: it runs one program on the global batch, and the

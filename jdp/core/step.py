@@ -80,6 +80,7 @@ import numpy as np
 import optax
 
 from jdp.core.algorithm import Step, device_step
+from jdp.core.annotations import describe, has_annotations, host_if_elsewhere, own_mesh, say_once
 from jdp.core.fsdp import FullyShardedLayout, host_whole
 from jdp.core.global_view import JitLayout
 from jdp.core.layouts import LAYOUTS, UNSIZED
@@ -98,7 +99,7 @@ from jdp.cpu import RunAhead
 class TrainStep:
     """A compiled data-parallel training step. Build it with `make_train_step`."""
 
-    def __init__(self, loss_fn: Callable, optimizer, options: StepOptions, devices=None):
+    def __init__(self, loss_fn: Callable, optimizer, options: StepOptions, devices=None, param_axes=None):
         if isinstance(optimizer, optax.MultiSteps):  # optax's accumulating wrapper: checked in init with the rest
             optimizer = optimizer.gradient_transformation()
         if not isinstance(optimizer, (optax.GradientTransformation, OptimizerSpec)):
@@ -124,6 +125,11 @@ class TrainStep:
                        if o.shard_params
                        else ShardedStateLayout(self.mesh, accum, self.optimizer) if o.shard_optimizer_state
                        else LAYOUTS[o.backend](self.mesh, accum))
+        if has_annotations(param_axes) and o.backend == "jit":
+            self.layout.annotate(param_axes, dict(o.axis_rules))
+        elif has_annotations(param_axes):
+            say_once(f"the params' sharding annotations (e.g. {describe(param_axes)}) are set aside under "
+                     f"backend={o.backend!r}, which keeps whole params on every device; backend='jit' honours them.")
         declared = partial(call_loss, loss_fn, o)  # as loss_fn declares it, before any cast
         self._loss = in_precision(declared, o.precision, o.mask_key)
         self._first = _FirstCall(self.layout, self.mesh, declared, self._loss, o)
@@ -159,6 +165,12 @@ class TrainStep:
         """
         if not jax.tree.leaves(params):
             raise ValueError("params has no array leaves; pass a pytree of arrays.")
+        # a model made under jax.set_mesh holds its params on that mesh: the step's own mesh takes them
+        params, model_state = host_if_elsewhere((params, model_state), self.mesh)
+        with own_mesh(self.mesh):
+            return self._init_on_mesh(params, model_state, seed, example_batch)
+
+    def _init_on_mesh(self, params, model_state, seed: int, example_batch) -> TrainState:
         check_trainable(params)
         check_master_params(params, self.options.precision)
         check_optimizer(self._given_optimizer, params, self.options.accum_steps)
@@ -200,12 +212,13 @@ class TrainStep:
         and `micro_step` (calls so far).
         """
         self._check_state(state)
-        batch = self.shard_batch(batch)
-        state = self._first.sized(state, batch)
-        if not self._first.model_state_checked:
-            self._first.check_model_state(state, batch)
-        self.run_ahead.wait()
-        state, metrics = self._step(state, batch)
+        with own_mesh(self.mesh):
+            batch = self.shard_batch(batch)
+            state = self._first.sized(state, batch)
+            if not self._first.model_state_checked:
+                self._first.check_model_state(state, batch)
+            self.run_ahead.wait()
+            state, metrics = self._step(state, batch)
         self.run_ahead.launched(metrics["micro_step"])
         return state, metrics
 
@@ -222,7 +235,8 @@ class TrainStep:
         """Put a `canonical` state into this step's layout; `like` (from `init`) gives the accumulator."""
         self._check_state(like)
         build = lambda c, a: self.layout.spread(c.replace(accum=a))  # noqa: E731
-        return jax.jit(build, out_shardings=self.layout.state_shardings)(canonical, like.accum)
+        with own_mesh(self.mesh):
+            return jax.jit(build, out_shardings=self.layout.state_shardings)(canonical, like.accum)
 
     def evaluate(self, state: TrainState, metric_fn: Callable, data, batch_size: int = 256) -> dict[str, float]:
         """Exact metrics over a whole dataset, data-parallel: see `jdp.core.evaluate.evaluate_state`."""
@@ -233,8 +247,9 @@ class TrainStep:
     def lower(self, state: TrainState, batch) -> jax.stages.Lowered:
         """The lowered step for this state and batch (e.g. `.compile().as_text()` to read the HLO)."""
         self._check_state(state)
-        batch = self.shard_batch(batch)
-        return self._step.lower(self._first.sized(state, batch), batch)
+        with own_mesh(self.mesh):
+            batch = self.shard_batch(batch)
+            return self._step.lower(self._first.sized(state, batch), batch)
 
 
 class _FirstCall:
@@ -320,7 +335,8 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation |
                     grad_norm: bool = True, precision="float32", reduce_dtype=None,
                     shard_optimizer_state: bool = False, shard_params: bool = False,
                     axis_name: str = DATA_AXIS, sync_batchnorm: bool = True,
-                    gather_in_model: bool = False, replicas: int = 1) -> TrainStep:
+                    gather_in_model: bool = False, replicas: int = 1, axis_rules: dict | None = None,
+                    param_axes=None) -> TrainStep:
     """Build a data-parallel training step.
 
     Args:
@@ -330,7 +346,9 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation |
         if `needs_rng`; `(loss, aux)` if `has_aux`, where aux is a pytree of scalars that are
         per-example means, such as accuracy (or `jdp.Weighted` sums).
       optimizer: any `optax.GradientTransformation`, or a `jdp.OptimizerSpec`.
-      backend: "shard_map" (jit over a 1-D mesh) or "pmap".
+      backend: "shard_map" (jit over a 1-D mesh; the loss runs per device), "pmap", or "jit" (the
+        global view: `jax.jit` over global arrays, the loss sees the whole global micro-batch and
+        the partitioner places the all-reduce; `jdp.core.global_view` says what it refuses).
       reduction: "mean" (`lax.pmean`: the gradient of the global-batch mean loss) or "sum"
         (`lax.psum`: N times that gradient).
       lr_correction: only with reduction="sum": "auto" (there the default: lr/N), "none" or "exact"
@@ -373,6 +391,14 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation |
       sync_batchnorm: has_state only. True (default): the new model state must come out of the loss
         the same on every device (checked on the first call); False averages per-device statistics,
         which is NOT one device's step (`jdp.core.step`'s docstring).
+      axis_rules: backend="jit" only: a dict from the axis names of the params' sharding
+        annotations to jdp's mesh axes (`axis_name`; with replicas > 1 "replica", "shard") or None
+        (replicated); a name that is not mapped and is not one of jdp's axes is replicated
+        (`jdp.core.annotations`).
+      param_axes: the params' sharding annotations: a pytree like params of PartitionSpecs or
+        tuples of axis names per leaf (None: not annotated), e.g. `nnx.get_partition_spec(state)`;
+        `jdp.nnx` and `jdp.linen` read them from the model. Honoured under backend="jit", set
+        aside (said once) under "shard_map" and "pmap".
 
     Returns:
       A `TrainStep`: `state = step.init(params)`, `state, metrics = step(state, batch)` where the
@@ -383,8 +409,8 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation |
                           accum_sync=accum_sync, skip_nonfinite=skip_nonfinite, grad_norm=grad_norm,
                           precision=precision, reduce_dtype=reduce_dtype, shard_optimizer_state=shard_optimizer_state,
                           shard_params=shard_params, axis_name=axis_name, sync_batchnorm=sync_batchnorm,
-                          gather_in_model=gather_in_model, replicas=replicas)
-    return TrainStep(loss_fn, optimizer, options, devices)
+                          gather_in_model=gather_in_model, replicas=replicas, axis_rules=axis_rules)
+    return TrainStep(loss_fn, optimizer, options, devices, param_axes)
 
 
 def get_params(state: TrainState):
