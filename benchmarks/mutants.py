@@ -675,6 +675,19 @@ MUTANTS = [
     Mutant("jit_weight_is_n_times", "core/global_view.py",
            "    weight_devices = 1  #", "    weight_devices = 4  #",
            ("tests/test_jit_backend.py::test_a_weighted_losss_metrics_are_the_global_batchs",)),
+    # the model's own sharding annotations
+    Mutant("annotations_left_on_jdps_nnx_copy", "bridges/nnx.py",
+           "            node.set_metadata(out_sharding=None)\n", "            pass\n",
+           ("tests/test_annotations.py::test_annotations_are_set_aside_under_shard_map_and_pmap_and_said_once",)),
+    Mutant("callers_mesh_not_set_aside", "core/annotations.py",
+           "    if current.empty or current == mesh.abstract_mesh:", "    if True:",
+           ("tests/test_annotations.py::test_annotations_are_set_aside_under_shard_map_and_pmap_and_said_once",)),
+    Mutant("axis_rules_not_refused_off_jit", "core/options.py",
+           'if rules and self.backend != "jit":', "if False:",
+           ("tests/test_annotations.py::test_bad_axis_rules_are_one_sentence",)),
+    Mutant("axis_rules_ignored", "core/annotations.py",
+           "axis = axis_rules.get(name, name if name in sizes else None)", "axis = name if name in sizes else None",
+           ("tests/test_annotations.py::test_annotations_under_jit_map_through_axis_rules_and_the_rest_is_replicated",)),
 ]
 
 
