@@ -398,11 +398,11 @@ MUTANTS = [
            'trained["batch_stats"] = get_tree(state, state.model_state)',
            'trained["batch_stats"] = train_state.batch_stats',  # the initial statistics come back
            ("tests/test_linen.py", "-k", "batch_stats_field")),
-    Mutant("per_device_model_state_accepted", "core/step.py",
+    Mutant("per_device_model_state_accepted", "core/first_call.py",
            "            check_agreement(spread, scale, data_axes(self.mesh))\n",
            "",  # BatchNorm without an axis name trains on per-device statistics, silently
            ("tests/test_linen.py", "-k", "batchnorm_mistakes")),
-    Mutant("model_state_structure_unchecked", "core/step.py",
+    Mutant("model_state_structure_unchecked", "core/first_call.py",
            "        check_structure(one.model_state, returned)\n",
            "",  # a nested batch_stats dict re-initialises the statistics and recompiles every call
            ("tests/test_linen.py", "-k", "batchnorm_mistakes")),
@@ -676,8 +676,8 @@ MUTANTS = [
            "    weight_devices = 1  #", "    weight_devices = 4  #",
            ("tests/test_jit_backend.py::test_a_weighted_losss_metrics_are_the_global_batchs",)),
     # the model's own sharding annotations
-    Mutant("annotations_left_on_jdps_nnx_copy", "bridges/nnx.py",
-           "            node.set_metadata(out_sharding=None)\n", "            pass\n",
+    Mutant("nnx_annotations_not_read", "bridges/nnx.py",
+           "        annotations = param_annotations(copy)\n", "        annotations = None\n",
            ("tests/test_annotations.py::test_annotations_are_set_aside_under_shard_map_and_pmap_and_said_once",)),
     Mutant("callers_mesh_not_set_aside", "core/annotations.py",
            "    if current.empty or current == mesh.abstract_mesh:", "    if True:",

@@ -51,7 +51,7 @@ class SplitModel:
             raise ValueError(f"model must be an nnx.Module, got {type(model).__name__}; for Linen, see "
                              f"jdp.linen.make_train_step.")
         copy = nnx.clone(model)
-        annotations = set_aside_annotations(copy)
+        annotations = param_annotations(copy)
         if sync_batchnorm:
             for _, module in nnx.iter_modules(copy):
                 if isinstance(module, nnx.BatchNorm):
@@ -191,20 +191,14 @@ def _device_loss(split: SplitModel, loss_fn, *, has_aux: bool, needs_rng: bool):
     return device_loss
 
 
-def set_aside_annotations(model: nnx.Module):
+def param_annotations(model: nnx.Module):
     """The sharding annotations of `model`'s params (`nnx.with_partitioning`: each Param's
-    `out_sharding`), as a tree like its Param state, or None if it has none; removed from `model`
-    (jdp's copy), whose Variables would otherwise re-apply them on the step's mesh, which lacks
-    their axes. The step honours them under backend="jit" (`jdp.core.annotations`)."""
+    `out_sharding`), as a tree like its Param state, or None if it has none. The step honours them
+    under backend="jit" and sets them aside under the others (`jdp.core.annotations`)."""
     params = nnx.state(model, nnx.Param)
     found = jax.tree.map(lambda v: v.get_metadata().get("out_sharding"), params,
                          is_leaf=lambda x: isinstance(x, nnx.Variable))
-    if not any(x is not None for x in jax.tree.leaves(found, is_leaf=lambda x: x is None)):
-        return None
-    for _, node in nnx.iter_graph(model):
-        if isinstance(node, nnx.Variable) and node.get_metadata().get("out_sharding") is not None:
-            node.set_metadata(out_sharding=None)
-    return found
+    return found if any(x is not None for x in jax.tree.leaves(found, is_leaf=lambda x: x is None)) else None
 
 
 def _check_arity(fn: Callable, n: int, wanted: str) -> None:

@@ -18,9 +18,10 @@ hybrid sharding's "replica" and "shard". The mapping, per annotated dimension:
 Under backend="jit" the mapped annotations are the params' shardings (a leaf whose annotation maps
 to no axis follows jdp's layout: replicated, or with shard_params split along `split_dim`), and the
 optimizer state shaped like a param lies as that param does. Under "shard_map" and "pmap" every
-device holds whole params, so the annotations are set aside, said once. Either way jdp's copy of
-the model carries no annotation into the step, and params that lie on another mesh are brought to
-the host once, at `init`.
+device holds whole params, so the annotations are set aside, said once. Either way params that
+lie on another mesh (a model made under `jax.set_mesh`) are brought to the host once, at `init`,
+and the step runs on its own mesh inside a caller's `jax.set_mesh` (shard_map and jit refuse a
+context mesh other than theirs).
 """
 from __future__ import annotations
 
