@@ -266,3 +266,16 @@ def test_a_weighted_losss_metrics_are_the_global_batchs():
     _, metrics = step(step.init(mlp_params()), batch)
     assert float(metrics["weight"]) == batch["mask"].sum() == 22  # the step's real examples, all devices
     np.testing.assert_allclose(metrics["loss"], global_token_mean(mlp_params(), batch), rtol=1e-6)
+
+
+def test_a_nonfinite_step_is_skipped_under_jit():
+    step = jdp.make_train_step(mlp_loss, SGD, devices=DEV, backend="jit", skip_nonfinite=True, shard_params=True)
+    state = step.init(mlp_params())
+    bad = dict(batches(1, GLOBAL)[0])
+    bad["x"] = bad["x"].copy()
+    bad["x"][5, 0] = np.nan  # one example of one device's shard
+    state, metrics = step(state, bad)
+    assert bool(metrics["skipped"]) and int(state.skipped) == 1 and int(state.step) == 1
+    assert max_abs_diff(jdp.get_params(state), mlp_params()) == 0.0
+    state, metrics = step(state, batches(1, GLOBAL)[0])
+    assert not bool(metrics["skipped"]) and max_abs_diff(jdp.get_params(state), mlp_params()) > 1e-3
