@@ -2,7 +2,7 @@
 
 Three parts, each in its own module: the options (`jdp.core.options.StepOptions`, every rule about
 them), the per-device algorithm (`jdp.core.algorithm.device_step`: grad -> reduce -> accumulate ->
-update), and the layout that runs it (`jdp.core.layouts`: shard_map or pmap). `TrainStep` joins them
+update), and the layout that runs it (`jdp.core.layouts`: shard_map or pmap; `jdp.core.global_view`: jit). `TrainStep` joins them
 and does the host side: the initial state, placing batches (`jdp.core.placement`), bounding how far
 the host runs ahead.
 
@@ -44,14 +44,14 @@ logits (jdp's models return them). float16 is refused: it needs loss scaling.
 overflow; the mean is cast back to float32 for the optimizer) at the cost of rounding the gradient
 to bf16 (`jdp explain` measures it).
 
-`shard_optimizer_state`: ZeRO stage 1 (shard_map only): each device keeps 1/N of the optimizer state
+`shard_optimizer_state`: ZeRO stage 1 (shard_map or jit): each device keeps 1/N of the optimizer state
 (params stay replicated); the gradient is reduce-scattered, each device updates its slice of the
 params, and an all-gather gives every device the whole new params: the same ring traffic as the all-
 reduce, the same step (`jdp.zero`). The optimizer must be elementwise (checked; global-norm clipping
 through `OptimizerSpec(clip_norm=...)` is exact). Checkpoints (`canonical`) are the same as the
 replicated layout's.
 
-`shard_params`: fully sharded data parallel (ZeRO-3; shard_map only; implies shard_optimizer_state):
+`shard_params`: fully sharded data parallel (ZeRO-3; shard_map or jit; implies shard_optimizer_state):
 between steps each device keeps 1/N of every params leaf too. Each call all-gathers the params (one
 all-gather per leaf) for the forward and backward pass, reduce-scatters the gradient and updates
 this device's slice (`jdp.fsdp`): the same ring traffic as the all-reduce per call, the same step.
@@ -333,9 +333,9 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation |
         (`jdp.core.step`'s docstring).
       reduce_dtype: the dtype the gradient is all-reduced in; None (default) keeps the gradient's
         own; "bfloat16" halves the all-reduce's bytes (`jdp.core.step`'s docstring).
-      shard_optimizer_state: ZeRO stage 1 (shard_map only): each device keeps 1/N of the optimizer
+      shard_optimizer_state: ZeRO stage 1 (shard_map or jit): each device keeps 1/N of the optimizer
         state; the same step, the same ring traffic (`jdp.core.step`'s docstring, `jdp.zero`).
-      shard_params: fully sharded data parallel (shard_map only; implies shard_optimizer_state):
+      shard_params: fully sharded data parallel (shard_map or jit; implies shard_optimizer_state):
         each device keeps 1/N of every params leaf too (`jdp.core.step`'s docstring, `jdp.fsdp`).
       gather_in_model: shard_params only: hand the loss every split params leaf as a
         `jdp.fsdp.Split` (this device's block) for the model to gather itself with
