@@ -123,7 +123,8 @@ class JitLayout(ShardMapLayout):
                 return split[i]
             return spec(cuts.dims[i], len(x.shape), self.shard_axis)  # ZeRO-1: split though the param is whole
 
-        opt_specs = optax.tree_map_params(self.optimizer, opt_spec, opt_struct, index, transform_non_params=lambda _: P())
+        opt_specs = optax.tree_map_params(self.optimizer, opt_spec, opt_struct, index,
+                                          transform_non_params=lambda _: P())
         specs = state_tree(P(), P(), self.accum).replace(opt_state=opt_specs, params=param_specs)
         self.cuts, self._jitted = cuts, None
         self.state_shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs,

@@ -2,7 +2,8 @@
 
 Three parts, each in its own module: the options (`jdp.core.options.StepOptions`, every rule about
 them), the per-device algorithm (`jdp.core.algorithm.device_step`: grad -> reduce -> accumulate ->
-update), and the layout that runs it (`jdp.core.layouts`: shard_map or pmap; `jdp.core.global_view`: jit). `TrainStep` joins them
+update), and the layout that runs it (`jdp.core.layouts`: shard_map or pmap;
+`jdp.core.global_view`: jit, on the global batch). `TrainStep` joins them
 and does the host side: the initial state, placing batches (`jdp.core.placement`), bounding how far
 the host runs ahead.
 
