@@ -188,6 +188,15 @@ QUICK = (
     "test_exactness_models.py::test_a_model_whose_dropout_is_on_is_named",
     "test_tokens_train.py::test_a_missing_token_file_says_how_to_make_it",
     "test_shipped.py::test_a_directory_is_never_a_config_and_a_shipped_name_wins_over_one",
+    "test_jit_backend.py::test_what_jit_cannot_mean_is_refused_in_one_sentence",
+    "test_jit_backend.py::test_a_loss_that_names_an_axis_is_refused_under_jit",
+    "test_jit_backend.py::test_comm_and_memory_reports_read_the_jit_program",
+    "test_jit_backend.py::test_dropout_keys_under_jit_are_one_devices",
+    "test_jit_backend.py::test_a_weighted_losss_metrics_are_the_global_batchs",
+    "test_jit_backend.py::test_jdp_nnx_with_a_batchnorm_model_is_exact_under_jit",
+    "test_annotations.py::test_bad_axis_rules_are_one_sentence",
+    "test_annotations.py::test_annotations_are_set_aside_under_shard_map_and_pmap_and_said_once[shard_map]",
+    "test_jit_backend.py::test_the_gpt_residual_stream_is_pinned_batch_sharded_under_jit",
 )
 
 

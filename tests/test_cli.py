@@ -43,7 +43,7 @@ def test_seed_config_reaches_the_seed_numbers(tmp_path):
     (["train", "--steps", "x"], "argument --steps: 'x' is not an integer"),
     (["train", "--set", "optim.lrr=1"], "unknown key 'optim.lrr'"),
     (["train", "--set", "optim.lr=-1"], "optim.lr must be a positive number, got -1"),
-    (["train", "--set", "parallel.backend=tpu"], "parallel.backend must be one of shard_map, pmap, got 'tpu'"),
+    (["train", "--set", "parallel.backend=tpu"], "parallel.backend must be one of shard_map, pmap, jit, got 'tpu'"),
     (["train", "no_such.yaml"], "no_such.yaml"),
     (["train", "--devices", "3", "--set", "data.batch_size=128"],
      "data.batch_size=128 is not a multiple of parallel.accum_steps × devices = 1 × 3"),

@@ -149,7 +149,7 @@ CONFIG_CASES = [
     ("bad-schedule", None, ["--set", "optim.schedule=step"],
      "optim.schedule must be one of constant, cosine, linear, got 'step'."),
     ("bad-backend", "parallel:\n  backend: pjit\n", [],
-     "parallel.backend must be one of shard_map, pmap, got 'pjit'."),
+     "parallel.backend must be one of shard_map, pmap, jit, got 'pjit'."),
     ("bad-reduction", None, ["--set", "parallel.reduction=max"],
      "parallel.reduction must be one of mean, sum, got 'max'."),
     ("bad-accum-sync", None, ["--set", "parallel.accum_sync=never"],

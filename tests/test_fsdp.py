@@ -279,7 +279,7 @@ def test_refusals_and_config_key():
     from jdp.config import load_config
     from jdp.run.sections import ConfigError
 
-    with pytest.raises(ValueError, match=r"^shard_params=True needs backend='shard_map' \(got 'pmap'\): pmap keeps a "
+    with pytest.raises(ValueError, match=r"^shard_params=True needs backend='shard_map' or 'jit' \(got 'pmap'\): pmap keeps a "
                                          r"whole copy of the params on every device\.$"):
         jdp.make_train_step(mlp_loss, optax.adam(1e-3), backend="pmap", shard_params=True)
     with pytest.raises(ValueError, match=r"shard_params='yes' must be True or False"):

@@ -66,6 +66,8 @@ def data(num, accum_steps):
     ("shard_map", "adam", 2, "every", 2),
     ("shard_map", "adam", 2, "last", 1),  # an odd step count: micro_step = count·M is not count mod M
     ("pmap", "adam", 2, "every", 0),  # from TrainState.create itself: step is the int 0
+    ("jit", "momentum", 1, "every", 2),  # the global view: the loss sees the whole global batch
+    ("jit", "adam", 2, "every", 1),
 ])
 def test_bridge_equals_the_linen_loop_and_hands_back(backend, tx, accum_steps, accum_sync, warmup):
     global_batches = data(warmup + STEPS + AFTER, accum_steps)

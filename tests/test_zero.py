@@ -175,7 +175,7 @@ def test_nnx_model_with_sharded_optimizer_state():
 
 
 def test_refusals_name_the_problem():
-    with pytest.raises(ValueError, match=r"shard_optimizer_state=True needs backend='shard_map' \(got 'pmap'\)"):
+    with pytest.raises(ValueError, match=r"shard_optimizer_state=True needs backend='shard_map' or 'jit' \(got 'pmap'\)"):
         jdp.make_train_step(mlp_loss, optax.adam(1e-3), backend="pmap", shard_optimizer_state=True)
     with pytest.raises(ValueError, match=r"shard_optimizer_state='yes' must be True or False"):
         jdp.make_train_step(mlp_loss, optax.adam(1e-3), shard_optimizer_state="yes")
@@ -197,7 +197,7 @@ def test_config_key_and_its_refusal():
 
     assert load_config(None, ["parallel.shard_optimizer_state=true"]).parallel.shard_optimizer_state is True
     with pytest.raises(ConfigError, match=r"^parallel\.shard_optimizer_state: shard_optimizer_state=True needs "
-                                          r"backend='shard_map' \(got 'pmap'\)"):
+                                          r"backend='shard_map' or 'jit' \(got 'pmap'\)"):
         load_config(None, ["parallel.backend=pmap", "parallel.shard_optimizer_state=true"])
     with pytest.raises(ConfigError, match=r"^parallel\.shard_optimizer_state must be true or false, got 'maybe'\.$"):
         load_config(None, ["parallel.shard_optimizer_state=maybe"])

@@ -34,6 +34,7 @@ import numpy as np
 import optax
 from flax.training import train_state as flax_train_state
 
+from jdp.core.annotations import unboxed_linen
 from jdp.core.loss import signature_mismatch
 from jdp.core.state import LocalAccum, TrainState
 from jdp.core.step import TrainStep, get_tree
@@ -69,6 +70,12 @@ def make_train_step(train_state: flax_train_state.TrainState, loss_fn: Callable,
       `(step, state)`: a `jdp.TrainStep` and its state, `state, metrics = step(state, batch)`.
     """
     _check_train_state(train_state)
+    # nn.with_partitioning / nn.with_logical_partitioning box the params (and optax's state mirrors
+    # them): the step takes the values, and the boxes' axis names as the params' annotations
+    params, annotations = unboxed_linen(train_state.params)
+    if annotations is not None:
+        train_state = train_state.replace(params=params, opt_state=unboxed_linen(train_state.opt_state)[0])
+        options = {"param_axes": annotations, **options}
     if options.get("reduction", "mean") != "mean":
         raise ValueError(f"jdp.linen continues train_state.opt_state, whose statistics are of mean gradients, so it "
                          f"needs reduction='mean'; reduction={options['reduction']!r} would feed that state N× "

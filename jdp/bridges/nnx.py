@@ -43,6 +43,7 @@ class SplitModel:
     rng_state: Any  # stored nnx.Rngs streams: reseeded on every call, never carried
     rest: Any  # every other variable (BatchNorm statistics): jdp's model_state
     streams: tuple[str, ...]  # the tags of the stored rng streams
+    annotations: Any = None  # the params' sharding annotations (`nnx.with_partitioning`), None if there are none
 
     @classmethod
     def of(cls, model: nnx.Module, sync_batchnorm: bool, axis_name: str | tuple = DATA_AXIS) -> SplitModel:
@@ -50,6 +51,7 @@ class SplitModel:
             raise ValueError(f"model must be an nnx.Module, got {type(model).__name__}; for Linen, see "
                              f"jdp.linen.make_train_step.")
         copy = nnx.clone(model)
+        annotations = param_annotations(copy)
         if sync_batchnorm:
             for _, module in nnx.iter_modules(copy):
                 if isinstance(module, nnx.BatchNorm):
@@ -57,7 +59,8 @@ class SplitModel:
         graphdef, params, rng_state, rest = nnx.split(copy, nnx.Param, nnx.RngState, ...)
         streams = tuple(sorted({n.tag for _, n in nnx.iter_graph(copy) if isinstance(n, nnx.RngStream)}))
         copy.eval()
-        return cls(graphdef, nnx.split(copy, nnx.Param, nnx.RngState, ...)[0], params, rng_state, rest, streams)
+        return cls(graphdef, nnx.split(copy, nnx.Param, nnx.RngState, ...)[0], params, rng_state, rest, streams,
+                   annotations)
 
     def metric_adapter(self, metric_fn: Callable) -> Callable:
         """`metric_fn(model, batch)` as jdp's `(params, model_state, batch)`, the model in eval mode."""
@@ -134,7 +137,9 @@ def make_train_step(model: nnx.Module, loss_fn: Callable, optimizer, *, sync_bat
       `jdp.get_params(state)` is an `nnx.State` of the model's `nnx.Param` variables only,
       host numpy arrays in their own shapes (`state.model_state` holds BatchNorm's statistics).
     """
-    split = SplitModel.of(model, sync_batchnorm, device_axes(options.get("axis_name", DATA_AXIS),
+    # backend="jit": the loss sees the global batch, so a BatchNorm's statistics are the global batch's
+    # without an axis name (and under jit no axis is bound to name)
+    split = SplitModel.of(model, sync_batchnorm and options.get("backend") != "jit", device_axes(options.get("axis_name", DATA_AXIS),
                                                               options.get("replicas", 1)))
     _check_arity(loss_fn, needs_rng)
     for name in ("has_state", "needs_rng", "has_aux"):
@@ -143,7 +148,7 @@ def make_train_step(model: nnx.Module, loss_fn: Callable, optimizer, *, sync_bat
     tx = _transformation(optimizer, split.params)
     device_loss = _device_loss(split, loss_fn, has_aux=has_aux, needs_rng=needs_rng)
     step = make_array_step(device_loss, tx, has_aux=has_aux, has_state=True, needs_rng=True,
-                           sync_batchnorm=sync_batchnorm, **options)
+                           sync_batchnorm=sync_batchnorm, param_axes=split.annotations, **options)
     return NnxTrainStep(step, split)
 
 
@@ -189,6 +194,16 @@ def _device_loss(split: SplitModel, loss_fn, *, has_aux: bool, needs_rng: bool):
         return (loss, (aux, new_rest)) if has_aux else (loss, new_rest)
 
     return device_loss
+
+
+def param_annotations(model: nnx.Module):
+    """The sharding annotations of `model`'s params (`nnx.with_partitioning`: each Param's
+    `out_sharding`), as a tree like its Param state, or None if it has none. The step honours them
+    under backend="jit" and sets them aside under the others (`jdp.core.annotations`)."""
+    params = nnx.state(model, nnx.Param)
+    found = jax.tree.map(lambda v: v.get_metadata().get("out_sharding"), params,
+                         is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return found if any(x is not None for x in jax.tree.leaves(found, is_leaf=lambda x: x is None)) else None
 
 
 def _check_arity(fn: Callable, needs_rng: bool) -> None:

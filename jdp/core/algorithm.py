@@ -134,7 +134,7 @@ def update_now(state: TrainState, mean: LocalAccum, weighted: bool, step: Step):
     """accum_sync="last", the M-th call: reduce the mean of this device's M calls once and update."""
     o = step.options
     new, reduced, norm = reduce_and_update(state, mean, (), weighted, step)
-    return new, step_metrics(reduced, norm, weighted, step.layout.num_devices * o.accum_steps, 1, o)
+    return new, step_metrics(reduced, norm, weighted, step.layout.weight_devices * o.accum_steps, 1, o)
 
 
 def hold(state: TrainState, this_call: LocalAccum, weighted: bool, step: Step):
@@ -149,7 +149,7 @@ def over_the_step(state: TrainState, reduced: LocalAccum, norm, updates_now, wei
     """The metrics of one call with accum_sync="every": this call's, or with M > 1 those of the
     optimizer step's M calls so far (their sums reduced, then divided: what "last" reports), shown
     on the M-th call and NaN on the calls in between. Returns (new accumulator, metrics)."""
-    o, n = step.options, step.layout.num_devices
+    o, n = step.options, step.layout.weight_devices
     if not o.multi_steps:
         return state.accum, step_metrics(reduced, norm, weighted, n, 1, o)
     sums = jax.tree.map(jnp.add, state.accum, reduced)

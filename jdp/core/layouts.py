@@ -38,12 +38,22 @@ class ShardMapLayout:
 
     name = "shard_map"
     stacked = False
+    global_view = False  # the loss sees one device's share of the batch (`jdp.core.global_view`: the whole)
 
     def __init__(self, mesh: Mesh, accum: str | None):
         self.mesh, self.num_devices, self.accum = mesh, mesh.devices.size, accum
         self.axis = data_axes(mesh)  # the axis (hybrid: the two axes) every all-device collective names
         self.state_shardings = state_tree(replicated(mesh), batch_sharded(mesh), accum)
         self._specs = state_tree(P(), P(self.axis), accum)
+
+    @property
+    def weight_devices(self) -> int:
+        """The global weight over a reduced weight (a mean over the devices): N."""
+        return self.num_devices
+
+    def loss_shapes(self, loss, params, model_state, placed, part: int = 0):
+        """The structure of `loss`'s aux (`part=1`: its new model state) on one device's share of `placed`."""
+        return aux_shapes(loss, self.mesh, params, model_state, self.device_batch(placed), part)
 
     def per_device(self, params):
         # Replicated params are axis-invariant; differentiating w.r.t. them makes jax.grad sum the

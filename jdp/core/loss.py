@@ -101,8 +101,13 @@ def call_loss(loss_fn, o: StepOptions, params, model_state, batch, key):
         out = loss_fn(params, *((model_state,) if o.has_state else ()), batch, *((key,) if o.needs_rng else ()))
     except (AssertionError, NameError, TypeError, ValueError) as e:
         # AssertionError/NameError: what jax raises for a collective over an axis it does not bind.
-        bound = device_axes(o.axis_name, o.replicas)
+        bound = () if o.backend == "jit" else device_axes(o.axis_name, o.replicas)
         unbound = unbound_axes(e, bound) if isinstance(e, (AssertionError, NameError)) else []
+        if unbound and o.backend == "jit":
+            raise ValueError(f"loss_fn reduces over the mesh axis {unbound[0]!r} (a BatchNorm axis_name or a "
+                             f"lax.pmean/psum inside it), but backend='jit' binds no axis: its loss sees the global "
+                             f"batch, so drop the axis name (statistics are then over the global batch), or use "
+                             f"backend='shard_map'.") from None
         if unbound and o.replicas > 1:
             raise ValueError(f"loss_fn reduces over the mesh axis {unbound[0]!r} (a BatchNorm axis_name or a "
                              f"lax.pmean/psum inside it), but with replicas={o.replicas} (hybrid sharding) the step's "

@@ -12,7 +12,7 @@ import numpy as np
 from jdp.core.mesh import REPLICA_AXIS, SHARD_AXIS
 from jdp.core.precision import dtype_name
 
-BACKENDS = ("shard_map", "pmap")
+BACKENDS = ("shard_map", "pmap", "jit")
 REDUCTIONS = ("mean", "sum")
 LR_CORRECTIONS = ("auto", "none", "exact")
 ACCUM_SYNCS = ("every", "last")
@@ -53,6 +53,7 @@ class StepOptions:
     shard_params: bool = False  # FSDP: 1/N of the params too; implies shard_optimizer_state
     gather_in_model: bool = False  # shard_params: the model gathers its params itself (`jdp.fsdp.gather`), per layer
     replicas: int = 1  # hybrid sharding: the sharded state split within each of this many device groups
+    axis_rules: tuple = ()  # backend="jit": (annotation name, jdp mesh axis or None) pairs (`jdp.core.annotations`)
 
     def __post_init__(self):
         for field, choices in (("backend", BACKENDS), ("reduction", REDUCTIONS), ("accum_sync", ACCUM_SYNCS)):
@@ -65,17 +66,17 @@ class StepOptions:
                       "sync_batchnorm", "shard_params", "gather_in_model"):
             if not isinstance(getattr(self, field), (bool, np.bool_)):
                 raise OptionError(field, f"{field}={getattr(self, field)!r} must be True or False.")
-        if self.shard_params and self.backend != "shard_map":
-            raise OptionError("shard_params", f"shard_params=True needs backend='shard_map' (got {self.backend!r}): "
-                              f"pmap keeps a whole copy of the params on every device.")
+        if self.shard_params and self.backend == "pmap":
+            raise OptionError("shard_params", f"shard_params=True needs backend='shard_map' or 'jit' (got "
+                              f"{self.backend!r}): pmap keeps a whole copy of the params on every device.")
         if self.gather_in_model and not self.shard_params:
             raise OptionError("gather_in_model", "gather_in_model=True needs shard_params=True: only split params "
                               "are handed to the model to gather.")
         if self.shard_params:  # the params' slices are updated by the optimizer state's slices
             object.__setattr__(self, "shard_optimizer_state", True)
-        if self.shard_optimizer_state and self.backend != "shard_map":
-            raise OptionError("shard_optimizer_state", f"shard_optimizer_state=True needs backend='shard_map' "
-                              f"(got {self.backend!r}): pmap keeps a whole copy of the state on every device.")
+        if self.shard_optimizer_state and self.backend == "pmap":
+            raise OptionError("shard_optimizer_state", f"shard_optimizer_state=True needs backend='shard_map' or "
+                              f"'jit' (got {self.backend!r}): pmap keeps a whole copy of the state on every device.")
         if self.replicas > 1 and not self.shard_optimizer_state:
             raise OptionError("replicas", f"replicas={self.replicas} (hybrid sharding) splits the sharded state within "
                               f"groups of devices; it needs shard_params=True or shard_optimizer_state=True (without "
@@ -97,9 +98,61 @@ class StepOptions:
             raise OptionError("gather_in_model", f"gather_in_model=True reduce-scatters each layer's gradient in the "
                               f"backward pass, in the params' dtype, so reduce_dtype={self.reduce_dtype!r} cannot "
                               f"apply; use reduce_dtype=None.")
+        self._check_axis_rules()
+        if self.backend == "jit":
+            self._check_global_view()
         object.__setattr__(self, "accum_steps", int(self.accum_steps))
         object.__setattr__(self, "replicas", int(self.replicas))
         object.__setattr__(self, "lr_correction", self._resolved_lr_correction())
+
+    def _check_axis_rules(self) -> None:
+        """axis_rules: a dict (or pairs) from a sharding annotation's axis names to jdp's mesh axes or None."""
+        rules = self.axis_rules
+        if rules is None:
+            rules = ()
+        if isinstance(rules, dict):
+            rules = tuple(rules.items())
+        axes = (REPLICA_AXIS, SHARD_AXIS) if self.replicas > 1 else (self.axis_name,)
+        if not isinstance(rules, (tuple, list)) or not all(isinstance(r, (tuple, list)) and len(r) == 2 for r in rules):
+            raise OptionError("axis_rules", f"axis_rules={self.axis_rules!r} must be a dict from the annotations' "
+                              f"axis names to one of jdp's mesh axes {axes} or None.")
+        for name, axis in rules:
+            if not isinstance(name, str) or not (axis is None or axis in axes):
+                raise OptionError("axis_rules", f"axis_rules maps {name!r} to {axis!r}; map a sharding annotation's "
+                                  f"axis name (a string) to one of jdp's mesh axes {axes} or to None (replicated).")
+        if rules and self.backend != "jit":
+            raise OptionError("axis_rules", f"axis_rules maps the params' sharding annotations onto the mesh, which "
+                              f"only backend='jit' honours; backend={self.backend!r} keeps whole params on every "
+                              f"device (drop axis_rules, or use backend='jit').")
+        object.__setattr__(self, "axis_rules", tuple((name, axis) for name, axis in rules))
+
+    def _check_global_view(self) -> None:
+        """Refuse what backend="jit" cannot mean: it runs one program on the global batch, and the
+        partitioner, not jdp, places the gradient's all-reduce (`jdp.core.global_view`)."""
+        why = "`jdp explain` shows what the per-device step would do"
+        if self.reduction != "mean":
+            raise OptionError("reduction", f"reduction={self.reduction!r} sums per-device gradients, and "
+                              f"backend='jit' has none (its loss and gradient are the global batch's already); use "
+                              f"reduction='mean', or backend='shard_map' for the psum variant ({why}).")
+        if self.lr_correction not in (None, "none"):
+            raise OptionError("lr_correction", f"lr_correction={self.lr_correction!r} corrects a per-device sum, "
+                              f"and backend='jit' has none; use lr_correction=None, or backend='shard_map' ({why}).")
+        if self.accum_steps > 1 and self.accum_sync == "last":
+            raise OptionError("accum_sync", "accum_sync='last' needs per-device gradient sums, and under "
+                              "backend='jit' every call's gradient is all-reduced by the partitioner; use "
+                              "accum_sync='every' or backend='shard_map'.")
+        if self.reduce_dtype is not None:
+            raise OptionError("reduce_dtype", f"reduce_dtype={self.reduce_dtype!r} cannot apply under "
+                              f"backend='jit': the partitioner all-reduces the gradient inside the backward pass, in "
+                              f"the dtype it is computed in (precision); use reduce_dtype=None, or "
+                              f"backend='shard_map'.")
+        if self.gather_in_model:
+            raise OptionError("gather_in_model", "gather_in_model=True cannot apply under backend='jit': the "
+                              "partitioner gathers the split params itself; use gather_in_model=False.")
+        if not self.sync_batchnorm:
+            raise OptionError("sync_batchnorm", "sync_batchnorm=False accepts per-device statistics, and under "
+                              "backend='jit' the loss sees the global batch, so its statistics are always the "
+                              "global batch's; use sync_batchnorm=True.")
 
     def _resolved_lr_correction(self) -> str:
         if self.reduction == "mean":

@@ -39,11 +39,13 @@ class TrainState(struct.PyTreeNode):
     stacked: bool = struct.field(pytree_node=False, default=False)  # pmap layout: every leaf is (N, ...)
 
 
-def device_key(base_key: jax.Array, micro_step: jax.Array, axis: str = DATA_AXIS) -> jax.Array:
+def device_key(base_key: jax.Array, micro_step: jax.Array, axis: str | None = DATA_AXIS) -> jax.Array:
     """The key one device uses at `micro_step`: a function of (seed, micro-step, device index) only.
 
     `micro_step` counts calls (step · accum_steps + micro-step within it). Never a function of
     host state or of how often the step was compiled: masks are reproducible, and differ on every
-    device and every micro-step.
+    device and every micro-step. `axis` None (backend="jit", one program on the global batch): the
+    key of device 0, for the whole batch, so the masks are those a one-device step draws.
     """
-    return jax.random.fold_in(jax.random.fold_in(base_key, micro_step), lax.axis_index(axis))
+    key = jax.random.fold_in(base_key, micro_step)
+    return jax.random.fold_in(key, 0 if axis is None else lax.axis_index(axis))

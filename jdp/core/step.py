@@ -2,7 +2,8 @@
 
 Three parts, each in its own module: the options (`jdp.core.options.StepOptions`, every rule about
 them), the per-device algorithm (`jdp.core.algorithm.device_step`: grad -> reduce -> accumulate ->
-update), and the layout that runs it (`jdp.core.layouts`: shard_map or pmap). `TrainStep` joins them
+update), and the layout that runs it (`jdp.core.layouts`: shard_map or pmap;
+`jdp.core.global_view`: jit, on the global batch). `TrainStep` joins them
 and does the host side: the initial state, placing batches (`jdp.core.placement`), bounding how far
 the host runs ahead.
 
@@ -44,14 +45,14 @@ logits (jdp's models return them). float16 is refused: it needs loss scaling.
 overflow; the mean is cast back to float32 for the optimizer) at the cost of rounding the gradient
 to bf16 (`jdp explain` measures it).
 
-`shard_optimizer_state`: ZeRO stage 1 (shard_map only): each device keeps 1/N of the optimizer state
+`shard_optimizer_state`: ZeRO stage 1 (shard_map or jit): each device keeps 1/N of the optimizer state
 (params stay replicated); the gradient is reduce-scattered, each device updates its slice of the
 params, and an all-gather gives every device the whole new params: the same ring traffic as the all-
 reduce, the same step (`jdp.zero`). The optimizer must be elementwise (checked; global-norm clipping
 through `OptimizerSpec(clip_norm=...)` is exact). Checkpoints (`canonical`) are the same as the
 replicated layout's.
 
-`shard_params`: fully sharded data parallel (ZeRO-3; shard_map only; implies shard_optimizer_state):
+`shard_params`: fully sharded data parallel (ZeRO-3; shard_map or jit; implies shard_optimizer_state):
 between steps each device keeps 1/N of every params leaf too. Each call all-gathers the params (one
 all-gather per leaf) for the forward and backward pass, reduce-scatters the gradient and updates
 this device's slice (`jdp.fsdp`): the same ring traffic as the all-reduce per call, the same step.
@@ -80,11 +81,13 @@ import numpy as np
 import optax
 
 from jdp.core.algorithm import Step, device_step
+from jdp.core.annotations import describe, has_annotations, host_if_elsewhere, own_mesh, say_once
+from jdp.core.first_call import FirstCall
 from jdp.core.fsdp import FullyShardedLayout, host_whole
-from jdp.core.layouts import LAYOUTS, UNSIZED, aux_shapes
+from jdp.core.global_view import JitLayout
+from jdp.core.layouts import LAYOUTS, UNSIZED
 from jdp.core.loss import call_loss
-from jdp.core.mesh import DATA_AXIS, data_axes, make_mesh
-from jdp.core.model_state import check_agreement, check_structure, spread_over_devices
+from jdp.core.mesh import DATA_AXIS, make_mesh
 from jdp.core.optim import OptimizerSpec, check_optimizer, for_reduction, with_grad_scale
 from jdp.core.options import StepOptions
 from jdp.core.placement import Placement
@@ -97,7 +100,7 @@ from jdp.cpu import RunAhead
 class TrainStep:
     """A compiled data-parallel training step. Build it with `make_train_step`."""
 
-    def __init__(self, loss_fn: Callable, optimizer, options: StepOptions, devices=None):
+    def __init__(self, loss_fn: Callable, optimizer, options: StepOptions, devices=None, param_axes=None):
         if isinstance(optimizer, optax.MultiSteps):  # optax's accumulating wrapper: checked in init with the rest
             optimizer = optimizer.gradient_transformation()
         if not isinstance(optimizer, (optax.GradientTransformation, OptimizerSpec)):
@@ -117,13 +120,20 @@ class TrainStep:
         self._given_optimizer = optimizer
         # accum_sync="last" sums per device; "every" (M > 1) sums reduced, replicated metrics.
         accum = "per_device" if o.local_accum else "replicated" if o.multi_steps else None
-        self.layout = (FullyShardedLayout(self.mesh, accum, self.optimizer, o.precision, o.gather_in_model)
+        self.layout = (JitLayout(self.mesh, accum, self.optimizer, "params" if o.shard_params else
+                                 "optimizer" if o.shard_optimizer_state else None) if o.backend == "jit"
+                       else FullyShardedLayout(self.mesh, accum, self.optimizer, o.precision, o.gather_in_model)
                        if o.shard_params
                        else ShardedStateLayout(self.mesh, accum, self.optimizer) if o.shard_optimizer_state
                        else LAYOUTS[o.backend](self.mesh, accum))
+        if has_annotations(param_axes) and o.backend == "jit":
+            self.layout.annotate(param_axes, dict(o.axis_rules))
+        elif has_annotations(param_axes):
+            say_once(f"the params' sharding annotations (e.g. {describe(param_axes)}) are set aside under "
+                     f"backend={o.backend!r}, which keeps whole params on every device; backend='jit' honours them.")
         declared = partial(call_loss, loss_fn, o)  # as loss_fn declares it, before any cast
         self._loss = in_precision(declared, o.precision, o.mask_key)
-        self._first = _FirstCall(self.layout, self.mesh, declared, self._loss, o)
+        self._first = FirstCall(self.layout, self.mesh, declared, self._loss, o)
         algorithm = Step(self._loss, self.layout.step_optimizer(self.optimizer), o, self.layout)
         self._step = self.layout.compile(partial(self._traced, algorithm))
         self._init = None  # built by init, once the layout knows the params' shapes
@@ -156,6 +166,12 @@ class TrainStep:
         """
         if not jax.tree.leaves(params):
             raise ValueError("params has no array leaves; pass a pytree of arrays.")
+        # a model made under jax.set_mesh holds its params on that mesh: the step's own mesh takes them
+        params, model_state = host_if_elsewhere((params, model_state), self.mesh)
+        with own_mesh(self.mesh):
+            return self._init_on_mesh(params, model_state, seed, example_batch)
+
+    def _init_on_mesh(self, params, model_state, seed: int, example_batch) -> TrainState:
         check_trainable(params)
         check_master_params(params, self.options.precision)
         check_optimizer(self._given_optimizer, params, self.options.accum_steps)
@@ -197,12 +213,13 @@ class TrainStep:
         and `micro_step` (calls so far).
         """
         self._check_state(state)
-        batch = self.shard_batch(batch)
-        state = self._first.sized(state, batch)
-        if not self._first.model_state_checked:
-            self._first.check_model_state(state, batch)
-        self.run_ahead.wait()
-        state, metrics = self._step(state, batch)
+        with own_mesh(self.mesh):
+            batch = self.shard_batch(batch)
+            state = self._first.sized(state, batch)
+            if not self._first.model_state_checked:
+                self._first.check_model_state(state, batch)
+            self.run_ahead.wait()
+            state, metrics = self._step(state, batch)
         self.run_ahead.launched(metrics["micro_step"])
         return state, metrics
 
@@ -219,7 +236,8 @@ class TrainStep:
         """Put a `canonical` state into this step's layout; `like` (from `init`) gives the accumulator."""
         self._check_state(like)
         build = lambda c, a: self.layout.spread(c.replace(accum=a))  # noqa: E731
-        return jax.jit(build, out_shardings=self.layout.state_shardings)(canonical, like.accum)
+        with own_mesh(self.mesh):
+            return jax.jit(build, out_shardings=self.layout.state_shardings)(canonical, like.accum)
 
     def evaluate(self, state: TrainState, metric_fn: Callable, data, batch_size: int = 256) -> dict[str, float]:
         """Exact metrics over a whole dataset, data-parallel: see `jdp.core.evaluate.evaluate_state`."""
@@ -230,49 +248,9 @@ class TrainStep:
     def lower(self, state: TrainState, batch) -> jax.stages.Lowered:
         """The lowered step for this state and batch (e.g. `.compile().as_text()` to read the HLO)."""
         self._check_state(state)
-        batch = self.shard_batch(batch)
-        return self._step.lower(self._first.sized(state, batch), batch)
-
-
-class _FirstCall:
-    """What the step settles on its first call, once aux's and the model state's structures are known:
-    the accumulator's aux sums sized, and the model state the loss hands back checked."""
-
-    def __init__(self, layout, mesh, declared_loss: Callable, loss: Callable, options: StepOptions):
-        self.layout, self.mesh, self._declared_loss, self._loss, self.options = (layout, mesh, declared_loss, loss,
-                                                                                  options)
-        self.model_state_checked = not options.has_state
-
-    def sized(self, state: TrainState, placed) -> TrainState:
-        """`state` with the accumulator's aux sums sized from aux's structure (traced on the mesh)."""
-        if state.accum is None or state.accum.aux is not UNSIZED:
-            return state
-        one = jax.eval_shape(self.layout.canonical, state.replace(accum=None))
-        aux = aux_shapes(self._loss, self.mesh, one.params, one.model_state, self.layout.device_batch(placed))
-        empty = jax.jit(lambda: self.layout.empty_accum(one.params, aux),
-                        out_shardings=self.layout.state_shardings.accum)
-        return state.replace(accum=empty())
-
-    def check_model_state(self, state: TrainState, placed) -> None:
-        """First call: the loss must hand back the model state in the structure it was given, and
-        (sync_batchnorm=True) equal on every device, or averaging it would not be one device's step.
-
-        The agreement check runs the loss's forward pass once more on this batch, compiled once:
-        about the cost of compiling the forward pass, on the first call only.
-        """
-        if not jax.tree.leaves(state.model_state):
-            self.model_state_checked = True
-            return
-        one = self.layout.canonical(state.replace(accum=None))  # one copy, params whole (FSDP keeps slices)
-        batch = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), placed) if state.stacked else placed
-        returned = aux_shapes(self._declared_loss, self.mesh, one.params, one.model_state,
-                              self.layout.device_batch(placed), part=1)
-        check_structure(one.model_state, returned)
-        if self.options.sync_batchnorm:
-            spread, scale = spread_over_devices(self._loss, self.mesh, one.params, one.model_state, batch, one.rng,
-                                                one.micro_step)
-            check_agreement(spread, scale, data_axes(self.mesh))
-        self.model_state_checked = True
+        with own_mesh(self.mesh):
+            batch = self.shard_batch(batch)
+            return self._step.lower(self._first.sized(state, batch), batch)
 
 
 def step_optimizer(optimizer, o: StepOptions, n: int) -> optax.GradientTransformation:
@@ -317,7 +295,8 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation |
                     grad_norm: bool = True, precision="float32", reduce_dtype=None,
                     shard_optimizer_state: bool = False, shard_params: bool = False,
                     axis_name: str = DATA_AXIS, sync_batchnorm: bool = True,
-                    gather_in_model: bool = False, replicas: int = 1) -> TrainStep:
+                    gather_in_model: bool = False, replicas: int = 1, axis_rules: dict | None = None,
+                    param_axes=None) -> TrainStep:
     """Build a data-parallel training step.
 
     Args:
@@ -327,7 +306,9 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation |
         if `needs_rng`; `(loss, aux)` if `has_aux`, where aux is a pytree of scalars that are
         per-example means, such as accuracy (or `jdp.Weighted` sums).
       optimizer: any `optax.GradientTransformation`, or a `jdp.OptimizerSpec`.
-      backend: "shard_map" (jit over a 1-D mesh) or "pmap".
+      backend: "shard_map" (jit over a 1-D mesh; the loss runs per device), "pmap", or "jit" (the
+        global view: `jax.jit` over global arrays, the loss sees the whole global micro-batch and
+        the partitioner places the all-reduce; `jdp.core.global_view` says what it refuses).
       reduction: "mean" (`lax.pmean`: the gradient of the global-batch mean loss) or "sum"
         (`lax.psum`: N times that gradient).
       lr_correction: only with reduction="sum": "auto" (there the default: lr/N), "none" or "exact"
@@ -353,9 +334,9 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation |
         (`jdp.core.step`'s docstring).
       reduce_dtype: the dtype the gradient is all-reduced in; None (default) keeps the gradient's
         own; "bfloat16" halves the all-reduce's bytes (`jdp.core.step`'s docstring).
-      shard_optimizer_state: ZeRO stage 1 (shard_map only): each device keeps 1/N of the optimizer
+      shard_optimizer_state: ZeRO stage 1 (shard_map or jit): each device keeps 1/N of the optimizer
         state; the same step, the same ring traffic (`jdp.core.step`'s docstring, `jdp.zero`).
-      shard_params: fully sharded data parallel (shard_map only; implies shard_optimizer_state):
+      shard_params: fully sharded data parallel (shard_map or jit; implies shard_optimizer_state):
         each device keeps 1/N of every params leaf too (`jdp.core.step`'s docstring, `jdp.fsdp`).
       gather_in_model: shard_params only: hand the loss every split params leaf as a
         `jdp.fsdp.Split` (this device's block) for the model to gather itself with
@@ -370,6 +351,14 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation |
       sync_batchnorm: has_state only. True (default): the new model state must come out of the loss
         the same on every device (checked on the first call); False averages per-device statistics,
         which is NOT one device's step (`jdp.core.step`'s docstring).
+      axis_rules: backend="jit" only: a dict from the axis names of the params' sharding
+        annotations to jdp's mesh axes (`axis_name`; with replicas > 1 "replica", "shard") or None
+        (replicated); a name that is not mapped and is not one of jdp's axes is replicated
+        (`jdp.core.annotations`).
+      param_axes: the params' sharding annotations: a pytree like params of PartitionSpecs or
+        tuples of axis names per leaf (None: not annotated), e.g. `nnx.get_partition_spec(state)`;
+        `jdp.nnx` and `jdp.linen` read them from the model. Honoured under backend="jit", set
+        aside (said once) under "shard_map" and "pmap".
 
     Returns:
       A `TrainStep`: `state = step.init(params)`, `state, metrics = step(state, batch)` where the
@@ -380,8 +369,8 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation |
                           accum_sync=accum_sync, skip_nonfinite=skip_nonfinite, grad_norm=grad_norm,
                           precision=precision, reduce_dtype=reduce_dtype, shard_optimizer_state=shard_optimizer_state,
                           shard_params=shard_params, axis_name=axis_name, sync_batchnorm=sync_batchnorm,
-                          gather_in_model=gather_in_model, replicas=replicas)
-    return TrainStep(loss_fn, optimizer, options, devices)
+                          gather_in_model=gather_in_model, replicas=replicas, axis_rules=axis_rules)
+    return TrainStep(loss_fn, optimizer, options, devices, param_axes)
 
 
 def get_params(state: TrainState):

@@ -91,5 +91,6 @@ def memory_report(step, state, batch=None) -> MemoryReport:
                         accumulator=bytes_on_one_device(state.accum), compiled=compiled,
                         params_sharded=bool(step.options.shard_params),
                         gathered=None if not step.options.shard_params else
+                        "by the partitioner (backend='jit')" if step.options.backend == "jit" else
                         "per layer, by the model (gather_in_model)" if step.options.gather_in_model else
                         "whole model, before the loss", replicas=step.options.replicas)

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jdp.core.global_view import pin_batch
 from jdp.core.split import gather
 from jdp.models.dtypes import compute_dtype
 
@@ -134,7 +135,7 @@ def scan_blocks(layers: Block, x, mask, train: bool, rngs: nnx.Rngs | None, n_la
 
     def body(x, xs):
         layer, key = xs
-        return nnx.merge(graphdef, gather(layer))(x, mask, train=train, rngs=key), None
+        return pin_batch(nnx.merge(graphdef, gather(layer))(x, mask, train=train, rngs=key)), None
 
     return jax.lax.scan(jax.checkpoint(body) if remat else body, x, (stack, keys))[0]
 
@@ -202,7 +203,9 @@ class GPT(nnx.Module):
         for part in ((self.tok_embed, self.pos_embed, self.ln_f, self.head) if self.scan_layers else (self,)):
             nnx.update(part, gather(nnx.state(part)))  # whole params outside the scanned layers
         x = self.tok_embed(tokens) + self.pos_embed(jnp.arange(t))
-        x = self.drop(x, deterministic=not train, rngs=rngs)
+        # backend="jit": the residual stream pinned batch-sharded (here and after every block), or the
+        # partitioner carries a split params leaf's layout into the activations (more all-gathers).
+        x = pin_batch(self.drop(x, deterministic=not train, rngs=rngs))
         # "fused"/"cudnn" get causality from is_causal, so no (T, T) mask is materialised for them.
         mask = nnx.make_causal_mask(tokens) if self.attention == "flax" else None
         if self.scan_layers:
@@ -210,5 +213,5 @@ class GPT(nnx.Module):
         else:
             forward = _remat_block_forward if self.remat else _block_forward
             for block in self.blocks:
-                x = forward(block, x, mask, train, rngs)
+                x = pin_batch(forward(block, x, mask, train, rngs))
         return self.head(self.ln_f(x)).astype(jnp.float32)

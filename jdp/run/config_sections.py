@@ -192,7 +192,9 @@ class ParallelConfig(Section):
     """How the step is spread over devices (the arguments of `jdp.make_train_step`)."""
 
     backend: str = "shard_map"
-    """"shard_map" (jit over a 1-D mesh) or "pmap"."""
+    """"shard_map" (jit over a 1-D mesh, the loss per device), "pmap", or "jit" (the global view: the
+    loss sees the global batch, the partitioner reduces; no reduction "sum", accum_sync "last" or
+    reduce_dtype)."""
     devices: int | None = None
     """Devices to use; null: all of them (on a CPU-only machine, 4 fake CPU devices)."""
     reduction: str = "mean"
@@ -209,11 +211,11 @@ class ParallelConfig(Section):
     ("fp32") or "bfloat16" ("bf16": half the bytes; each device divides its bf16 gradient by N
     before the sum, and the mean is cast back to float32 for the optimizer). Stored as the full name."""
     shard_optimizer_state: bool = False
-    """ZeRO-1 (backend shard_map): each device keeps 1/N of the optimizer state; the gradient is
+    """ZeRO-1 (backend shard_map or jit): each device keeps 1/N of the optimizer state; the gradient is
     reduce-scattered and the new params all-gathered. The same step; checkpoints are the same as
     without it, so a run may resume with or without it."""
     shard_params: bool = False
-    """Fully sharded data parallel (backend shard_map; implies shard_optimizer_state): each device
+    """Fully sharded data parallel (backend shard_map or jit; implies shard_optimizer_state): each device
     keeps 1/N of the params too, gathers them for each forward and backward pass and reduce-scatters
     the gradient. The same step and the same checkpoints, so a run may resume with or without it."""
     replicas: int | str = 1

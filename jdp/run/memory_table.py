@@ -26,7 +26,7 @@ def memory_table(config: Config, devices, fsdp_extra: list[str] = (), say=None) 
     from jdp.inspect.memory import memory_report
 
     start, say = time.perf_counter(), say or (lambda line: None)
-    names = [n for n in LAYOUTS if config.parallel.backend == "shard_map" or n == "replicated"]  # pmap: whole copies
+    names = [n for n in LAYOUTS if config.parallel.backend != "pmap" or n == "replicated"]  # pmap: whole copies
     say(progress_line(0.0, model=config.model.name))
     task, rows = build_task(config), []
     batches = make_batches(task.train, config.data.batch_size, seed=config.train.seed, transform=task.transform,

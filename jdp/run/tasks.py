@@ -211,16 +211,18 @@ def build_task(config) -> Task:
                                ArrayDataset({"x": train.arrays["x"], "t": train.arrays["y"].astype(np.float32)}),
                                test and ArrayDataset({"x": test.arrays["x"], "t": test.arrays["y"].astype(np.float32)}))
     n_classes = int(max(train.arrays["y"].max(), test.arrays["y"].max() if test else 0)) + 1
+    global_view = config.parallel.backend == "jit"
     if m.name == "cnn":
         # synchronised statistics over every device of the step: both axes of hybrid sharding's mesh
-        model = CNN(n_classes, tuple(m.channels), sync_batchnorm=m.sync_batchnorm, dtype=dtype, rngs=rngs,
-                    axis_name=device_axes(DATA_AXIS, step_replicas(config)))
+        # parallel.backend jit: the loss sees the global batch, so BatchNorm needs no axis for global statistics
+        model = CNN(n_classes, tuple(m.channels), sync_batchnorm=m.sync_batchnorm and not global_view, dtype=dtype,
+                    rngs=rngs, axis_name=device_axes(DATA_AXIS, step_replicas(config)))
     else:
         in_dim = int(np.prod(train.arrays["x"].shape[1:]))
         model = MLP([in_dim, *m.hidden, n_classes], dtype=dtype, rngs=rngs)
     task = _classifier(functional(model), f"{m.name} on {d.name} ({n_classes} classes)", train, test)
     # The CNN without sync_batchnorm keeps per-device statistics, which the step must then accept.
-    return dataclasses.replace(task, sync_batchnorm=m.name != "cnn" or m.sync_batchnorm)
+    return dataclasses.replace(task, sync_batchnorm=m.name != "cnn" or m.sync_batchnorm or global_view)
 
 
 def step_replicas(config) -> int:
@@ -243,4 +245,5 @@ def train_step_for(config, task: Task, devices):
                            shard_params=p.shard_params, replicas=step_replicas(config),
                            mask_key=MASK_KEY,  # a task's mean loss is sum(mask · l) / b on padded batches
                            # a scanned GPT gathers each layer in its scan body: the peak holds one layer
-                           gather_in_model=p.shard_params and config.model.scan_layers)
+                           # (under backend jit the partitioner gathers)
+                           gather_in_model=p.shard_params and config.model.scan_layers and p.backend != "jit")

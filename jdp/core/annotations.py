@@ -1,0 +1,133 @@
+"""A model's own sharding annotations, and how they meet jdp's mesh.
+
+Flax models carry where their params should lie: NNX's `nnx.with_partitioning(init, ("embed",
+"mlp"))` (the `out_sharding` of each `nnx.Param`), Linen's `nn.with_partitioning` and
+`nn.with_logical_partitioning` (`nn.Partitioned` / `nn.LogicallyPartitioned` boxes around the
+params). Each names one axis, or None, per dimension of its leaf; the names are those of the mesh
+the model was made for (("fsdp", "tensor") in Flax's NNX language model example) or logical ones.
+
+jdp's mesh has its own axes: the data axis (`axis_name`, default "data"), or with `replicas` > 1
+hybrid sharding's "replica" and "shard". The mapping, per annotated dimension:
+
+- a name in `axis_rules` (a dict: annotation name -> one of jdp's axes, or None) maps as it says,
+  e.g. `axis_rules={"fsdp": "data"}` splits a leaf's "fsdp" dimension over jdp's devices;
+- else a name that is one of jdp's axes maps to itself;
+- else (a tensor-parallel "mlp", a logical "embed") the dimension is replicated, said once;
+- a dimension the mapped axis's size does not divide is replicated too.
+
+Under backend="jit" the mapped annotations are the params' shardings (a leaf whose annotation maps
+to no axis follows jdp's layout: replicated, or with shard_params split along `split_dim`), and the
+optimizer state shaped like a param lies as that param does. Under "shard_map" and "pmap" every
+device holds whole params, so the annotations are set aside, said once. Either way params that
+lie on another mesh (a model made under `jax.set_mesh`) are brought to the host once, at `init`,
+and the step runs on its own mesh inside a caller's `jax.set_mesh` (shard_map and jit refuse a
+context mesh other than theirs).
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jdp.core.zero import split_dim
+
+
+def leaf_names(annotation, ndim: int) -> tuple:
+    """An annotation (PartitionSpec, tuple of names/None, or None) as one entry per dimension."""
+    names = tuple(annotation) if annotation is not None else ()
+    return tuple(names[i] if i < len(names) else None for i in range(ndim))
+
+
+def unboxed_linen(tree):
+    """`(tree without Linen's Partitioned boxes, the boxes' names per leaf or None)`."""
+    from flax.linen import meta
+
+    is_box = lambda x: isinstance(x, meta.AxisMetadata)  # noqa: E731
+    if not any(is_box(x) for x in jax.tree.leaves(tree, is_leaf=is_box)):
+        return tree, None
+    names = jax.tree.map(lambda x: tuple(x.names) if hasattr(x, "names") else None, tree, is_leaf=is_box)
+    return jax.tree.map(lambda x: x.value if is_box(x) else x, tree, is_leaf=is_box), names
+
+
+def jdp_axes(mesh) -> dict[str, int]:
+    """jdp's mesh axes and their sizes."""
+    return dict(zip(mesh.axis_names, mesh.devices.shape))
+
+
+def mapped_specs(params, annotations, axis_rules: dict, mesh, shard_params: bool, shard_axis: str):
+    """Per params leaf: `(PartitionSpec, names replicated because jdp's mesh lacks them)`.
+
+    `annotations`: a tree like `params` of per-leaf annotations (None: not annotated). A leaf whose
+    mapped annotation splits nothing follows jdp's layout (`split_dim` over `shard_axis` with
+    shard_params, else replicated).
+    """
+    sizes, lacking = jdp_axes(mesh), []
+    leaves, treedef = jax.tree.flatten(params)
+    notes = annotation_leaves(annotations)
+    if len(notes) != len(leaves):
+        raise ValueError(f"param_axes has {len(notes)} leaves and params {len(leaves)}; give one annotation (a "
+                         f"PartitionSpec, a tuple of axis names, or None) per params leaf.")
+    specs = []
+    for x, note in zip(leaves, notes):
+        shape, out = np.shape(x), []
+        for dim, name in enumerate(leaf_names(note, len(np.shape(x)))):
+            axis = axis_rules.get(name, name if name in sizes else None) if name is not None else None
+            if name is not None and axis is None and name not in axis_rules and name not in lacking:
+                lacking.append(name)
+            out.append(axis if axis is not None and axis not in out and shape[dim] % sizes[axis] == 0 else None)
+        if any(out):
+            specs.append(P(*out))
+        elif shard_params:
+            k = split_dim(shape, sizes[shard_axis])
+            specs.append(P() if k < 0 else P(*([None] * k), shard_axis, *([None] * (len(shape) - k - 1))))
+        else:
+            specs.append(P())
+    return treedef.unflatten(specs), lacking
+
+
+def say_once(line: str) -> None:
+    """One line to stderr: what jdp did with the annotations."""
+    print(f"jdp: {line}", file=sys.stderr)
+
+
+def _is_note(x) -> bool:
+    return x is None or isinstance(x, (tuple, P))
+
+
+def annotation_leaves(annotations) -> list:
+    """The per-leaf annotations of a tree like params, in its leaves' order (a tuple or spec is one leaf)."""
+    return jax.tree.leaves(annotations, is_leaf=_is_note)
+
+
+def describe(annotations) -> str:
+    """The first annotated leaf and its names, for a sentence."""
+    for path, note in jax.tree_util.tree_leaves_with_path(annotations, is_leaf=_is_note):
+        if note is not None and any(n is not None for n in tuple(note)):
+            return f"params{jax.tree_util.keystr(path)} {tuple(note)}"
+    return "none"
+
+
+def has_annotations(annotations) -> bool:
+    return annotations is not None and describe(annotations) != "none"
+
+
+def host_if_elsewhere(tree, mesh):
+    """`tree` with every array that lies on another mesh (a model made under `jax.set_mesh`) as host numpy."""
+    def one(x):
+        if isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding) and x.sharding.mesh != mesh \
+                and x.is_fully_addressable:
+            return np.asarray(jax.device_get(x))
+        return x
+    return jax.tree.map(one, tree)
+
+
+def own_mesh(mesh):
+    """A context in which the step runs on its own mesh: the caller's `jax.set_mesh` (another mesh) set
+    aside, as shard_map and jit refuse a context mesh other than theirs."""
+    current = jax.sharding.get_abstract_mesh()
+    if current.empty or current == mesh.abstract_mesh:
+        return contextlib.nullcontext()
+    return jax.set_mesh(mesh)

@@ -1,0 +1,177 @@
+"""The global view: `jax.jit` over global arrays on the mesh, the reduction left to XLA's partitioner.
+
+`backend="jit"` runs the same algorithm (`jdp.core.algorithm.device_step`: grad -> reduce ->
+accumulate -> update) once, on the GLOBAL micro-batch, as code written for `jax.jit` over a mesh
+does (Flax's NNX language model example, MaxText, Levanter). The loss sees all N·b rows of a call,
+so a per-token mean over the whole batch (the summed token loss divided by the batch's real tokens)
+is exact with no `jdp.Weighted`. Where the values lie is said with `NamedSharding`s:
+
+- the batch: split along its first axis over every device (hybrid: over both mesh axes);
+- the state: replicated; with `shard_optimizer_state` (ZeRO-1) every optimizer state leaf shaped
+  like its param split along that param's `jdp.core.zero.split_dim`; with `shard_params` (FSDP)
+  the params so split too; with `replicas` > 1 split over the "shard" axis only;
+- the residual stream of jdp's own models: pinned batch-sharded (`pin_batch`), as MaxText pins its
+  activations; without the pin the partitioner carries the params' split into the activations.
+
+The reduction is the identity here: the loss and its gradient are already those of the whole
+batch, and the partitioner inserts the all-reduce (or, for split params, the gathers and
+reductions) where the backward pass makes each gradient. What that rules out, refused by
+`StepOptions`: reduction="sum" and lr_correction (a per-device sum has no meaning on one global
+value), accum_sync="last" (the partitioner all-reduces every call's gradient), reduce_dtype (the
+all-reduce happens inside the backward pass, in the dtype the gradient is computed in),
+gather_in_model (the partitioner gathers), sync_batchnorm=False (there are no per-device
+statistics). Dropout keys are functions of (seed, micro-step) only: one key for the global batch,
+so the masks are one device's.
+"""
+from __future__ import annotations
+
+import contextvars
+
+import jax
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jdp.core.annotations import mapped_specs, say_once
+from jdp.core.layouts import ShardMapLayout, state_tree
+from jdp.core.mesh import batch_sharded, data_axes, replicated
+from jdp.core.state import TrainState
+from jdp.core.zero import Cuts, spec
+
+_PIN = contextvars.ContextVar("jdp_pin_batch", default=None)  # the batch sharding while a jit step is traced
+
+
+def pin_batch(x: jax.Array) -> jax.Array:
+    """`x` (batch, ...) constrained to lie split along its first axis over the step's devices, while a
+    `backend="jit"` step is being traced; `x` itself everywhere else (shard_map, pmap, plain calls).
+
+    jdp's models call it on the residual stream after the embedding and after every block.
+    """
+    sharding = _PIN.get()
+    return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
+
+
+class JitLayout(ShardMapLayout):
+    """`jax.jit` with `in_shardings`/`out_shardings` on global arrays: one program, partitioned by XLA.
+
+    `shard` is None (replicated state), "optimizer" (ZeRO-1) or "params" (FSDP: params and
+    optimizer state split). The shardings of a sharded layout depend on the params' shapes:
+    `bind(params)` sets them (`TrainStep.init` calls it).
+    """
+
+    name = "jit"
+    global_view = True  # the loss sees the global batch: its values need no reduction over devices
+    weight_devices = 1  # a reduced weight is the global weight already (shard_map: N × the mean)
+
+    def __init__(self, mesh, accum: str | None, optimizer: optax.GradientTransformation, shard: str | None = None):
+        super().__init__(mesh, accum)
+        self.axis = None  # no axis is bound inside the step: nothing in it may name one
+        self.optimizer, self.shard, self.cuts, self._device_step, self._jitted = optimizer, shard, None, None, None
+        self.batch = batch_sharded(mesh)
+        self.shard_axis = mesh.axis_names[-1]  # the state is split along the mesh's last axis (hybrid: "shard")
+        self.group = mesh.shape[self.shard_axis]
+        self.annotations, self.rules = None, {}  # the params' own sharding annotations (`annotate`)
+
+    def annotate(self, annotations, rules: dict) -> None:
+        """Lay the params out as their sharding annotations say, mapped by `rules` (`jdp.core.annotations`)."""
+        self.annotations, self.rules, self.cuts = annotations, dict(rules), None
+
+    def per_device(self, params):
+        return params  # the whole params, global: the gradient is the global batch's
+
+    def reduce(self, grads, means, o):
+        """`(grads, means)` as they are: the global batch's already (the partitioner all-reduced them)."""
+        return grads, means
+
+    def local(self, accum):
+        return accum
+
+    shared = local
+
+    def device_batch(self, placed):
+        """What the loss sees: the global batch's shapes."""
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), placed)
+
+    def loss_shapes(self, loss, params, model_state, placed, part: int = 0):
+        """The structure of `loss`'s aux (`part=1`: its new model state) on the global batch."""
+        return jax.eval_shape(loss, params, model_state, self.device_batch(placed),
+                              jax.ShapeDtypeStruct((2,), jax.numpy.uint32))[1][part]
+
+    def bind(self, params) -> bool:
+        """Split the state's leaves for `params`' shapes (sharded layouts); True if the shardings changed."""
+        if self.shard is None and self.annotations is None:
+            return False
+        cuts = Cuts(params, self.group, self.shard_axis)
+        if self.cuts is not None and (cuts.treedef, cuts.leaves) == (self.cuts.treedef, self.cuts.leaves):
+            return False
+        if self.annotations is not None:
+            param_specs, lacking = mapped_specs(params, self.annotations, self.rules, self.mesh,
+                                                self.shard == "params", self.shard_axis)
+            if lacking:
+                say_once(f"backend='jit' replicates the params' annotated axes {', '.join(map(repr, lacking))}, which "
+                         f"its mesh {dict(self.mesh.shape)} lacks; axis_rules={{{lacking[0]!r}: "
+                         f"{self.shard_axis!r}}} would split along one.")
+        else:
+            param_specs = cuts.specs() if self.shard == "params" else jax.tree.map(lambda _: P(), params)
+        split = cuts.treedef.flatten_up_to(param_specs)
+        opt_struct = jax.eval_shape(self.optimizer.init, cuts.struct)
+        index = cuts.treedef.unflatten(list(range(len(cuts.leaves))))
+
+        def opt_spec(x, i):  # an optimizer state leaf shaped like its param lies as that param does
+            if x.shape != cuts.leaves[i].shape:
+                return P()
+            if any(a is not None for a in split[i]) or self.shard is None:
+                return split[i]
+            return spec(cuts.dims[i], len(x.shape), self.shard_axis)  # ZeRO-1: split though the param is whole
+
+        opt_specs = optax.tree_map_params(self.optimizer, opt_spec, opt_struct, index,
+                                          transform_non_params=lambda _: P())
+        specs = state_tree(P(), P(), self.accum).replace(opt_state=opt_specs, params=param_specs)
+        self.cuts, self._jitted = cuts, None
+        self.state_shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs,
+                                            is_leaf=lambda x: isinstance(x, P))
+        return True
+
+    def canonical(self, state: TrainState) -> TrainState:
+        """Params and optimizer state whole and replicated, as the replicated layouts hold them."""
+        if self.shard is None and self.annotations is None:
+            return state
+        return state.replace(params=jax.device_put(state.params, replicated(self.mesh)),
+                             opt_state=jax.device_put(state.opt_state, replicated(self.mesh)))
+
+    def place_batch(self, batch, num_local: int):
+        return jax.device_put(batch, self.batch)
+
+    def compile(self, device_step):
+        self._device_step = device_step
+        return _BoundStep(self)
+
+    def jitted(self):
+        if (self.shard is not None or self.annotations is not None) and self.cuts is None:
+            raise ValueError("the step's state is sharded by the params' shapes: make the state with "
+                             "step.init(params) first.")
+        if self._jitted is None:
+            pin, step = NamedSharding(self.mesh, P(data_axes(self.mesh))), self._device_step
+
+            def traced(state, batch):
+                token = _PIN.set(pin)
+                try:
+                    return step(state, batch)
+                finally:
+                    _PIN.reset(token)
+
+            self._jitted = jax.jit(traced, in_shardings=(self.state_shardings, self.batch),
+                                   out_shardings=(self.state_shardings, replicated(self.mesh)), donate_argnums=0)
+        return self._jitted
+
+
+class _BoundStep:
+    """The compiled step of a `JitLayout`, built once its shardings are known."""
+
+    def __init__(self, layout: JitLayout):
+        self.layout = layout
+
+    def __call__(self, state, batch):
+        return self.layout.jitted()(state, batch)
+
+    def lower(self, state, batch):
+        return self.layout.jitted().lower(state, batch)
