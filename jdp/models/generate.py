@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from functools import partial
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -190,19 +190,8 @@ def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None, t
         raise ValueError(f"top_p={top_p} must be in (0, 1] (1 or None: every token).")
 
 
-def generate(model, prompts, max_new_tokens: int, *, temperature: float = 1.0, top_k: int | None = None,
-             top_p: float | None = None, key: jax.Array | None = None) -> np.ndarray:
-    """Continue each prompt by `max_new_tokens` tokens with `model` (a `jdp.models.GPT`, eval mode).
-
-    `prompts`: a list of token-id lists of any lengths (one per row), or a (batch, P) int array.
-    `temperature=0` is greedy (the argmax at each step: the tokens `greedy_reference` gives);
-    above 0, tokens are drawn from softmax(logits / temperature) restricted to the `top_k` most
-    likely (None: all) and to the top-p nucleus (None or 1: all), with `key` (default
-    `jax.random.key(0)`; the same key gives the same tokens). The longest prompt P and N new tokens
-    need P + N - 1 ≤ the model's context. Returns (batch, max_new_tokens) int32 numpy: the new
-    tokens only. Compiled once per (model structure, batch, P, N): a second call with other prompts of
-    the same shape, temperature, top-k, top-p or key reuses it.
-    """
+def _prepared(model, prompts, max_new_tokens, temperature, top_k, top_p, key) -> tuple:
+    """`_decode`'s arguments for `generate`'s, checked (ValueError in one sentence)."""
     vocab, context = model.head.out_features, model.context
     check_sampling(max_new_tokens, temperature, top_k, top_p, vocab)
     rows = _as_rows(prompts)
@@ -215,7 +204,34 @@ def generate(model, prompts, max_new_tokens: int, *, temperature: float = 1.0, t
     graphdef, state = nnx.split(model)
     knobs = (jnp.float32(temperature), jnp.int32(min(top_k or vocab, vocab)), jnp.float32(top_p or 1.0))
     key = jax.random.key(0) if key is None else key
-    return np.asarray(_decode(graphdef, state, padded, first, key, knobs, int(max_new_tokens)))
+    return graphdef, state, padded, first, key, knobs, int(max_new_tokens)
+
+
+def generate(model, prompts, max_new_tokens: int, *, temperature: float = 1.0, top_k: int | None = None,
+             top_p: float | None = None, key: jax.Array | None = None) -> np.ndarray:
+    """Continue each prompt by `max_new_tokens` tokens with `model` (a `jdp.models.GPT`, eval mode).
+
+    `prompts`: a list of token-id lists of any lengths (one per row), or a (batch, P) int array.
+    `temperature=0` is greedy (the argmax at each step: the tokens `greedy_reference` gives);
+    above 0, tokens are drawn from softmax(logits / temperature) restricted to the `top_k` most
+    likely (None: all) and to the top-p nucleus (None or 1: all), with `key` (default
+    `jax.random.key(0)`; the same key gives the same tokens). The longest prompt P and N new tokens
+    need P + N - 1 ≤ the model's context. Returns (batch, max_new_tokens) int32 numpy: the new
+    tokens only. Compiled once per (model structure, batch, P, N): a second call with other prompts of
+    the same shape, temperature, top-k, top-p or key reuses it. ValueError (one sentence) for a
+    negative temperature, top_k < 1, top_p outside (0, 1], max_new_tokens < 1, an empty prompt, an
+    id outside the vocabulary, or a prompt too long for the context.
+    """
+    return np.asarray(_decode(*_prepared(model, prompts, max_new_tokens, temperature, top_k, top_p, key)))
+
+
+def compiled_generate(model, prompts, max_new_tokens: int, *, temperature: float = 1.0, top_k: int | None = None,
+                      top_p: float | None = None, key: jax.Array | None = None) -> Callable[[], np.ndarray]:
+    """`generate(...)` with its arguments, compiled now: calling the result decodes (and returns what
+    `generate` returns), so a timer around the call leaves the compilation out."""
+    graphdef, state, *dynamic, new_tokens = _prepared(model, prompts, max_new_tokens, temperature, top_k, top_p, key)
+    compiled = _decode.lower(graphdef, state, *dynamic, new_tokens).compile()
+    return lambda: np.asarray(compiled(state, *dynamic))
 
 
 @partial(jax.jit, static_argnums=(0,))
@@ -251,4 +267,4 @@ def greedy_reference(model, prompts, max_new_tokens: int) -> np.ndarray:
     return out
 
 
-__all__ = ["KVCache", "filter_logits", "forward_cached", "generate", "greedy_reference", "init_cache", "pick"]
+__all__ = ["KVCache", "compiled_generate", "filter_logits", "forward_cached", "generate", "greedy_reference", "init_cache", "pick"]
