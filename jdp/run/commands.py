@@ -81,6 +81,10 @@ def _prompts(args) -> list[str]:
         prompts += [line for line in lines if line]
         if not any(lines):
             raise ValueError(f"--prompts-file {args.prompts_file!r} holds no prompt; write one per line.")
+    for i, text in enumerate(prompts):
+        if not text:  # said before the run is read
+            raise ValueError(f"prompt {i + 1} is empty; a prompt needs at least one token (leave --prompt out for "
+                             f"the default, a newline).")
     return prompts or ["\n"]
 
 
