@@ -4,7 +4,10 @@ forward pass per token does; refusals in one sentence; a damaged newest checkpoi
 is. And the trainer's held-out units: perplexity and bits per byte. Runs call `jdp.run.cli.main` here."""
 import json
 import math
+import contextlib
+import io
 import os
+import shutil
 import subprocess
 
 import jax
@@ -50,11 +53,10 @@ def files(tmp_path_factory):
     return d
 
 
-def train(capsys, workdir, files, *overrides, steps=2, every=2):
+def train(capsys, workdir, files, *overrides):
     sets = [x for o in (*TINY, f"data.path={files / 'train.bin'}", f"data.val_path={files / 'val.bin'}", *overrides)
             for x in ("--set", o)]
-    r = cli(capsys, "train", "--workdir", workdir, "--devices", "2", "--steps", steps, "--checkpoint-every", every,
-            "--no-progress", *sets)
+    r = cli(capsys, "train", "--workdir", workdir, "--devices", "2", "--steps", 2, "--no-progress", *sets)
     assert r.returncode == 0, r.stdout + r.stderr
     return r
 
@@ -77,16 +79,35 @@ def test_every_layout_samples_greedily_as_the_whole_forward_pass_does(layout, fi
     assert r.stdout == texts[0] + "\n\n" + "-" * 40 + "\n" + texts[1] + "\n"
 
 
-def test_sampling_is_seeded_a_damaged_checkpoint_is_skipped_and_bad_prompts_refused(files, tmp_path, capsys):
-    work = tmp_path / "w"
-    out = train(capsys, work, files, steps=2, every=1).stdout
-    # The held-out units: the per-token loss, exp of it, and bits per byte from meta.json's val split.
+@pytest.fixture(scope="module")
+def trained(files, tmp_path_factory):
+    """A tokens run of 2 steps with checkpoints 1 and 2, and what `jdp train` printed."""
+    work = tmp_path_factory.mktemp("trained") / "w"
+    sets = [x for o in (*TINY, f"data.path={files / 'train.bin'}", f"data.val_path={files / 'val.bin'}")
+            for x in ("--set", o)]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["train", "--workdir", str(work), "--devices", "2", "--steps", "2", "--checkpoint-every", "1",
+                     "--no-progress", *sets])
+    assert code == 0, out.getvalue()
+    return work, out.getvalue()
+
+
+def test_evaluation_reports_the_per_token_loss_perplexity_and_bits_per_byte(trained):
+    work, out = trained
     evals = [r for r in load_metrics(str(work)) if "eval_loss" in r][-1]
     assert evals["eval_perplexity"] == pytest.approx(math.exp(evals["eval_loss"]), rel=1e-12)
+    # bits per byte from meta.json's val split: 802 bytes of text in 401 tokens
     assert evals["eval_bits_per_byte"] == pytest.approx(evals["eval_loss"] / math.log(2) / VAL_BYTES_PER_TOKEN,
                                                         rel=1e-12)
-    assert (f"eval accuracy {evals['eval_accuracy']:.4f}  loss/token {evals['eval_loss']:.4f}  perplexity "
-            f"{evals['eval_perplexity']:.4f}  bits_per_byte {evals['eval_bits_per_byte']:.4f}") in out
+    line = (f"eval accuracy {evals['eval_accuracy']:.4f}  loss/token {evals['eval_loss']:.4f}  perplexity "
+            f"{evals['eval_perplexity']:.4f}  bits_per_byte {evals['eval_bits_per_byte']:.4f}")
+    assert f"step      2  {line}" in out and f"held-out {line.removeprefix('eval ')}; workdir" in out
+
+
+def test_sampling_is_seeded_a_damaged_checkpoint_is_skipped_and_bad_prompts_refused(trained, tmp_path, capsys):
+    work = tmp_path / "w"
+    shutil.copytree(trained[0], work)
     sample = lambda *a: cli(capsys, "sample", work, "--prompt", "01", "--tokens", "5", *a)  # noqa: E731
     first, again, other = sample("--seed", "3"), sample("--seed", "3"), sample("--seed", "4")
     assert first.returncode == 0 and first.stdout == again.stdout != other.stdout
