@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from jdp.models import GPT
-from jdp.models.generate import filter_logits, generate, greedy_reference, pick
+from jdp.models.decode import filter_logits, generate, greedy_reference, pick
 
 VOCAB, CONTEXT = 13, 12
 PROMPTS = [[1, 2, 3], [4], [5, 6, 7, 8, 9]]  # three lengths: left padding of 2, 4 and 0 slots

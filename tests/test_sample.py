@@ -16,7 +16,7 @@ import pytest
 import tensorstore as ts
 from flax import nnx
 
-from jdp.models.generate import greedy_reference
+from jdp.models.decode import greedy_reference
 from jdp.run.checkpoint import latest_params
 from jdp.run.cli import main
 from jdp.run.metrics import curves_figure, load_metrics

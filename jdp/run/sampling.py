@@ -104,7 +104,7 @@ def sample(run: Run, prompts: list[str], tokens: int | None = None, *, temperatu
     context leaves after the longest prompt), decoded with the run's tokenizer. ValueError (one sentence)
     for an empty prompt, one with text the tokenizer cannot encode or ids outside the vocabulary, one too
     long for the context, or bad sampling values (`jdp.models.generate`'s)."""
-    from jdp.models.generate import compiled_generate
+    from jdp.models.decode import compiled_generate
 
     ids = []
     for i, text in enumerate(prompts):
