@@ -31,13 +31,12 @@ MODELS = (("char_gpt", 103, 64, 64, 4, 2), ("d256_l4_ctx256", 256, 256, 256, 8, 
 def _without_cache(graphdef, state, tokens, new: int):
     """Greedy: for each new token the whole forward pass over `tokens` (b, context), its argmax
     written after the last real position (one real prompt token per row)."""
-    model = nnx.merge(graphdef, state)
+    def step(i, carry):  # the params ride in the carry: the GPT's call updates its params in place (nnx)
+        tokens, params = carry
+        logits = nnx.merge(graphdef, params)(tokens, train=False)  # (b, context, vocab): every position, every time
+        return tokens.at[:, i + 1].set(jnp.argmax(logits[:, i], axis=-1).astype(jnp.int32)), params
 
-    def step(i, tokens):
-        logits = model(tokens, train=False)  # (b, context, vocab): every position, every time
-        return tokens.at[:, i + 1].set(jnp.argmax(logits[:, i], axis=-1).astype(jnp.int32))
-
-    return jax.lax.fori_loop(0, new, step, tokens)
+    return jax.lax.fori_loop(0, new, step, (tokens, state))[0]
 
 
 def _median_seconds(run, repeats: int) -> float:
@@ -57,7 +56,7 @@ def measure(vocab, context, d_model, heads, layers, batch: int, repeats: int) ->
     graphdef, state = nnx.split(model)
     tokens = np.zeros((batch, context), np.int32)
     tokens[:, 0] = [p[0] for p in prompts]
-    plain = _without_cache.lower(graphdef, state, tokens, new - 1).compile()  # tokens 1 .. context - 1
+    plain = _without_cache.lower(graphdef, state, tokens, new).compile()  # writes tokens 1 .. context - 1
     # A random model's logits are nearly uniform: rounding may flip an argmax, so this is reported, not required.
     same = bool((np.asarray(plain(state, tokens))[:, 1:] == cached()).all())
     with_cache = _median_seconds(cached, repeats)
