@@ -146,6 +146,8 @@ def _flip_a_bit(state_dir):
     (["w", "--tokens", "0"], "argument --tokens: 0 must be at least 1"),
     (["w", "--top-k", "0"], "argument --top-k: 0 must be at least 1"),
     (["w", "--prompt", ""], "prompt 1 is empty"),
+    (["w", "--prompts-file", "/nonexistent/prompts.txt"], "--prompts-file '/nonexistent/prompts.txt' cannot be read "
+                                                          "as UTF-8 text (No such file or directory)."),
 ])
 def test_bad_sample_arguments_exit_2_in_one_sentence(args, message, tmp_path, capsys):
     os.makedirs(tmp_path / "w" / "checkpoints")  # a workdir with no checkpoint in it yet
