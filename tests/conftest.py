@@ -197,6 +197,13 @@ QUICK = (
     "test_annotations.py::test_bad_axis_rules_are_one_sentence",
     "test_annotations.py::test_annotations_are_set_aside_under_shard_map_and_pmap_and_said_once[shard_map]",
     "test_jit_backend.py::test_the_gpt_residual_stream_is_pinned_batch_sharded_under_jit",
+    # Sampling (the cached decode against the whole forward pass, top-k/top-p/temperature) and the eval units.
+    "test_generate.py", "test_sample.py::test_evaluation_reports_the_per_token_loss_perplexity_and_bits_per_byte",
+    "test_sample.py::test_bad_sample_arguments_exit_2_in_one_sentence",
+    "test_sample.py::test_an_empty_checkpoint_folder_is_refused_in_one_sentence",
+    "test_sample.py::test_language_model_units_are_exp_and_log2_of_the_per_token_loss",
+    "test_sample.py::test_plot_labels_the_loss_per_token_for_a_language_model_and_per_example_otherwise",
+    "test_sample.py::test_bytes_per_token_of_the_char_corpus_and_of_token_folders",
 )
 
 

@@ -1,9 +1,13 @@
-"""`jdp configs` and `jdp data prepare-tokens`: what ships with jdp, for `jdp train` (jdp.run.cli adds them).
+"""`jdp configs`, `jdp data prepare-tokens`, `jdp sample`: what ships with jdp, for `jdp train`, and a run's
+use after it (jdp.run.cli adds them).
 
 Their parsers import nothing heavy, so `jdp --help` stays instant; the commands import their
 modules when they run.
 """
 from __future__ import annotations
+
+import argparse
+import sys
 
 
 def add_configs_parser(sub) -> None:
@@ -29,6 +33,79 @@ def add_data_parser(sub) -> None:
     tokens.add_argument("--val-fraction", type=float, default=0.1, help="the held-out share of characters (0.1)")
 
 
+def _number(low: float, high: float | None, what: str, *, integer: bool = False, closed_low: bool = True):
+    """An argparse type: a number in [low, high] (low excluded unless `closed_low`), said in one sentence."""
+    def parse(text: str):
+        try:
+            value = int(text) if integer else float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if integer else 'a number'}") from None
+        if not (value >= low if closed_low else value > low) or (high is not None and value > high) or value != value:
+            raise argparse.ArgumentTypeError(f"{text} must be {what}")
+        return value
+    return parse
+
+
+def add_sample_parser(sub) -> None:
+    """`jdp sample WORKDIR` (jdp.run.sampling, imported only when it runs)."""
+    sample = sub.add_parser(
+        "sample", help="continue text with a trained GPT run",
+        description="Read WORKDIR's newest intact checkpoint (trained replicated, with ZeRO-1 or FSDP, scanned or "
+        "not) and print each prompt's continuation, decoded with the run's own tokenizer; the prompts run as one "
+        "batch, with a key/value cache and a compiled decode loop. Nothing in WORKDIR is written.")
+    sample.add_argument("workdir", metavar="WORKDIR", help="the run directory (jdp train's --workdir)")
+    sample.add_argument("--prompt", action="append", default=[], metavar="TEXT",
+                        help="a prompt (repeatable: one row of the batch each; default: a newline)")
+    sample.add_argument("--prompts-file", metavar="FILE", help="a UTF-8 text file of prompts, one per line")
+    sample.add_argument("--tokens", type=_number(1, None, "at least 1", integer=True), metavar="N",
+                        help="new tokens per prompt (default: as many as the context leaves after the longest prompt)")
+    sample.add_argument("--temperature", type=_number(0.0, None, "0 (greedy) or positive"), default=1.0, metavar="T",
+                        help="softmax temperature; 0: greedy, the most likely token each time (default 1.0)")
+    sample.add_argument("--top-k", type=_number(1, None, "at least 1", integer=True), metavar="K",
+                        help="draw only from the K most likely tokens (default: all)")
+    sample.add_argument("--top-p", type=_number(0.0, 1.0, "in (0, 1]", closed_low=False), metavar="P",
+                        help="draw only from the most likely tokens whose probabilities add up to P (default: all)")
+    sample.add_argument("--seed", type=int, default=0, help="the sampling key's seed: the same seed, the same text (0)")
+
+
+def _prompts(args) -> list[str]:
+    """--prompt texts, then the lines of --prompts-file; a newline when neither is given."""
+    prompts = list(args.prompt)
+    if args.prompts_file:
+        try:
+            with open(args.prompts_file, encoding="utf-8") as f:
+                lines = [line.rstrip("\n") for line in f]
+        except (OSError, UnicodeDecodeError) as e:
+            reason = getattr(e, "strerror", None) or getattr(e, "reason", None) or e
+            raise ValueError(f"--prompts-file {args.prompts_file!r} cannot be read as UTF-8 text ({reason}).") from None
+        prompts += [line for line in lines if line]
+        if not any(lines):
+            raise ValueError(f"--prompts-file {args.prompts_file!r} holds no prompt; write one per line.")
+    for i, text in enumerate(prompts):
+        if not text:  # said before the run is read
+            raise ValueError(f"prompt {i + 1} is empty; a prompt needs at least one token (leave --prompt out for "
+                             f"the default, a newline).")
+    return prompts or ["\n"]
+
+
+def cmd_sample(args) -> int:
+    from jdp.cpu import backends_started, use_cpu_devices
+
+    prompts = _prompts(args)
+    if not backends_started():
+        use_cpu_devices(1)  # shapes only the CPU backend: one device decodes
+    from jdp.run.sampling import load_run, sample
+
+    run = load_run(args.workdir, log=lambda line: print(line, file=sys.stderr))
+    done = sample(run, prompts, args.tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                  seed=args.seed)
+    for i, (prompt, text) in enumerate(zip(prompts, done.texts)):
+        print(("" if i == 0 else "\n" + "-" * 40 + "\n") + prompt + text)
+    print(f"{len(prompts)} × {done.tokens} tokens from checkpoint {run.step} of {args.workdir} in {done.seconds:.2f} "
+          f"s: {done.tokens_per_s:,.0f} tokens/s (compiled in {done.compile_seconds:.1f} s, left out)", file=sys.stderr)
+    return 0
+
+
 def cmd_configs(args) -> int:
     from jdp.run.shipped import format_configs, shipped_configs
 
@@ -44,4 +121,4 @@ def cmd_data(args) -> int:
     return 0
 
 
-__all__ = ["add_configs_parser", "add_data_parser", "cmd_configs", "cmd_data"]
+__all__ = ["add_configs_parser", "add_data_parser", "add_sample_parser", "cmd_configs", "cmd_data", "cmd_sample"]

@@ -23,7 +23,8 @@ from jdp.run.lock import locked_workdir
 from jdp.run.metrics import MetricsWriter, load_metrics, peak_flops, plot_metrics, step_flops
 from jdp.run.profile import StepProfile, parse_steps
 from jdp.run.records import (DataStoppedError, EvaluationOutOfMemoryError, NonFiniteError, Throughput, check_finite,
-                              evaluation_out_of_memory, stopping_line, train_record, unreadable_batch)
+                              evaluation_out_of_memory, language_model_units, stopping_line, train_record,
+                              unreadable_batch)
 from jdp.run.tasks import build_task, train_step_for
 from jdp.run.workfiles import refuse_symlink
 
@@ -258,7 +259,8 @@ class _Loop:
         if the devices (or the host) run out of memory."""
         size = self.config.data.eval_batch_size
         try:
-            return evaluate(self.eval_step, *step_params(self.step, state), self.task.test, size, self.step.mesh)
+            metrics = evaluate(self.eval_step, *step_params(self.step, state), self.task.test, size, self.step.mesh)
+            return language_model_units(metrics, self.task.bytes_per_token) if self.task.per_token else metrics
         except (MemoryError, RuntimeError) as e:  # XLA's out-of-memory is a JaxRuntimeError, a RuntimeError
             if not isinstance(e, MemoryError) and "RESOURCE_EXHAUSTED" not in str(e):
                 raise
