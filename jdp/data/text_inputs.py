@@ -140,28 +140,25 @@ def survey(paths: list[str], *, field: str = "text", read_bytes: int = READ_BYTE
 
 
 def _cut(text: str) -> int:
-    """Where `text` may be cut so that a GPT-2-style pre-tokenizer splits there anyway: after the
-    last newline that a non-space character follows (a pre-token holding a newline is all
-    whitespace). 0 if there is none."""
-    end = len(text) - 1  # the character after a newline found must exist
-    while True:
-        at = text.rfind("\n", 0, end)
-        if at < 0:
-            return 0
-        if not text[at + 1].isspace():
-            return at + 1
-        end = at
+    """Where `text` may be cut so that a GPT-2-style pre-tokenizer splits there anyway: before the
+    last whitespace character that follows a non-whitespace one (none of GPT-2's pre-token patterns
+    holds a non-space followed by a space: whitespace leads a pre-token, it never ends one). 0 if
+    there is no such place."""
+    for at in range(len(text) - 1, 0, -1):
+        if text[at].isspace() and not text[at - 1].isspace():
+            return at
+    return 0
 
 
 def chunks(pieces, size: int):
-    """The concatenated `pieces` re-cut into strings of `size` to 2·size characters (the last one
-    shorter), each cut where `_cut` allows (at 2·size characters where it finds no place), so the
+    """The concatenated `pieces` re-cut into strings of at most 2·size characters, each cut at the
+    last place in its 2·size that `_cut` allows (at 2·size characters where there is none), so the
     chunks tokenize as the whole text does for GPT-2-style tokenizers. Holds about 2·size
     characters beyond the piece being read."""
     buffer = ""
     for piece in pieces:
         buffer, start = buffer + piece, 0
-        while len(buffer) - start >= size:
+        while len(buffer) - start >= 2 * size:
             window = buffer[start:start + 2 * size]
             at = _cut(window) or len(window)
             yield window[:at]
