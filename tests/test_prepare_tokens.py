@@ -237,3 +237,15 @@ def test_jdp_train_takes_vocab_size_and_dtype_from_meta_json_and_refuses_a_confi
     with pytest.raises(ConfigError, match="^data.path='bare' is a folder without meta.json; name its token file"):
         load_config(None, ["model.name=gpt", "data.name=tokens", "data.path=bare"])
     validate(config, 4)
+
+
+def test_without_the_tokenizers_extra_bpe_names_the_install_command(tmp_path, monkeypatch):
+    import sys
+
+    (tmp_path / "t.txt").write_text(TEXT)
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # `import tokenizers` raises ImportError
+    with pytest.raises(ValueError, match=r"^--tokenizer bpe:VOCAB needs tokenizers, which is not installed here; "
+                                         r"install it with pip install .*\[tokenizers\]'$"):
+        P.prepare(str(tmp_path / "t.txt"), str(tmp_path / "out"), tokenizer="bpe:300")
+    assert not (tmp_path / "out").exists()
+    P.prepare(str(tmp_path / "t.txt"), str(tmp_path / "bytes"))  # bytes need nothing

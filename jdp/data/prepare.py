@@ -56,17 +56,12 @@ class _Files:
         self.created_out = False
 
     def check(self) -> None:
-        """Refuse, naming them, files of this run's names (or their .partial) already in OUTPUT."""
+        """Refuse, naming them, files of this run's names already in OUTPUT."""
         paths = [os.path.join(self.out, n) for n in self.names]
         existing = [p for p in paths if os.path.lexists(p)]
-        partial = [p + ".partial" for p in paths if os.path.lexists(p + ".partial")]
-        if existing:
+        if existing:  # (a NAME.partial there is refused by `open`, which creates it exclusively)
             raise ValueError(f"{_quote_all(existing)} already exist{'s' if len(existing) == 1 else ''}; choose another "
                              f"OUTPUT folder or delete the token files there first.")
-        if partial:
-            raise ValueError(f"{_quote_all(partial)} already exist{'s' if len(partial) == 1 else ''} (left by a "
-                             f"prepare-tokens that was stopped, or one writing there now); delete "
-                             f"{'it' if len(partial) == 1 else 'them'} or choose another OUTPUT folder.")
         if os.path.lexists(self.out) and not os.path.isdir(self.out):
             raise ValueError(f"OUTPUT {quoted(self.out)} exists and is not a folder; name a folder.")
 
