@@ -172,6 +172,8 @@ def load_tokenizer(directory) -> Tokenizer:
     """The tokenizer of a prepared folder (its meta.json names it); a folder without meta.json holds byte tokens.
     ValueError if the tokenizer's vocabulary is not the size meta.json says."""
     directory = os.fspath(directory)
+    if not os.path.exists(directory):
+        raise ValueError(f"no such folder of prepared tokens: {quoted(directory)}.")
     meta = read_metadata(directory)
     if meta is None or meta["tokenizer"]["kind"] == "bytes":
         return Tokenizer("bytes")
