@@ -233,7 +233,10 @@ def test_jdp_train_takes_vocab_size_and_dtype_from_meta_json_and_refuses_a_confi
                                        "whose meta.json says vocab_size 300; leave data.vocab_size out of the config to "
                                        "take it from there.\n")
     assert not (tmp_path / "w").exists()
+    with pytest.raises(ValueError, match="^no such folder of prepared tokens: 'nothing'.$"):
+        load_tokenizer("nothing")
     os.mkdir("bare")
+    assert load_tokenizer("bare").kind == "bytes"  # token files written before meta.json existed
     with pytest.raises(ConfigError, match="^data.path='bare' is a folder without meta.json; name its token file"):
         load_config(None, ["model.name=gpt", "data.name=tokens", "data.path=bare"])
     validate(config, 4)
@@ -249,3 +252,8 @@ def test_without_the_tokenizers_extra_bpe_names_the_install_command(tmp_path, mo
         P.prepare(str(tmp_path / "t.txt"), str(tmp_path / "out"), tokenizer="bpe:300")
     assert not (tmp_path / "out").exists()
     P.prepare(str(tmp_path / "t.txt"), str(tmp_path / "bytes"))  # bytes need nothing
+    import tomllib
+
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pyproject.toml"), "rb") as f:
+        extras = tomllib.load(f)["project"]["optional-dependencies"]
+    assert extras["tokenizers"] == ["tokenizers>=0.20"] and "tokenizers>=0.20" in extras["test"]
