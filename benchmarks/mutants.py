@@ -652,7 +652,7 @@ MUTANTS = [
            ("tests/test_docs.py::test_every_console_line_the_pages_quote_is_what_jdp_prints",)),
     # prepare-tokens: its tokenizers, meta.json, and what jdp train takes from it.
     Mutant("prepare_empty_input_written", "data/prepare.py",
-           "n_train = _split_sizes(inputs if isinstance(inputs, list) else [inputs], total, val_fraction)",
+           "n_train = _split_sizes(given, total, val_fraction)",
            "n_train = int(round(total * (1.0 - val_fraction)))",  # empty.txt gives 0-token files and exit 0
            ("tests/test_prepare_tokens.py::test_an_empty_input_is_refused_and_nothing_is_written",)),
     Mutant("prepare_partial_link_followed", "data/prepare.py",

@@ -181,14 +181,15 @@ def prepare(inputs, out: str, *, tokenizer: str = "bytes", val_fraction: float =
     sentence for a bad option, input or tokenizer, an input too short to split, or a file of this
     run's names already in `out`; nothing in `out` is then left by this run.
     """
-    paths = expand_inputs([inputs] if isinstance(inputs, str) else list(inputs))
+    given = [inputs] if isinstance(inputs, str) else list(inputs)
+    paths = expand_inputs(given)
     _check_options(val_fraction, dtype)
     kind, arg = parse_spec(tokenizer)
     names = [*TOKEN_FILES, *([TOKENIZER_FILE] if kind != "bytes" else []), META]
     files = _Files(out, names)
     files.check()
     total, digests = survey(paths, field=field, read_bytes=read_bytes)
-    n_train = _split_sizes(inputs if isinstance(inputs, list) else [inputs], total, val_fraction)
+    n_train = _split_sizes(given, total, val_fraction)
     text = lambda lo, hi: text_range(paths, lo, hi, field=field, read_bytes=read_bytes)  # noqa: E731
     seconds, handles = {"train_tokenizer": 0.0}, {}
     try:
