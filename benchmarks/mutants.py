@@ -578,9 +578,10 @@ MUTANTS = [
            "return arg",  # `jdp train char_gpt` outside a checkout: no such file
            ("tests/test_shipped.py::test_a_config_is_found_by_name_and_a_file_of_that_path_wins",)),
     Mutant("prepare_tokens_overwrites", "data/prepare.py",
-           "    if existing:\n",
-           "    if False:\n",  # a second prepare-tokens would replace the token files a run trains on
-           ("tests/test_shipped.py::test_prepare_tokens_writes_the_reference_text_as_byte_tokens_and_never_overwrites",)),
+           "        if existing:  #",
+           "        if False:  #",  # a second prepare-tokens would replace the token files a run trains on
+           ("tests/test_prepare_tokens.py::test_existing_files_are_never_overwritten",
+            "tests/test_shipped.py::test_prepare_tokens_writes_the_reference_text_as_byte_tokens_and_never_overwrites")),
     Mutant("compile_time_in_samples_per_s", "run/records.py",
            "seconds, self.step, self.time = now - self.time, self.step + 1, now",
            "seconds = now - self.time",  # the first interval's rate counts compilation again
