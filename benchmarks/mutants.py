@@ -578,9 +578,10 @@ MUTANTS = [
            "return arg",  # `jdp train char_gpt` outside a checkout: no such file
            ("tests/test_shipped.py::test_a_config_is_found_by_name_and_a_file_of_that_path_wins",)),
     Mutant("prepare_tokens_overwrites", "data/prepare.py",
-           "    if existing:\n",
-           "    if False:\n",  # a second prepare-tokens would replace the token files a run trains on
-           ("tests/test_shipped.py::test_prepare_tokens_writes_the_reference_text_as_byte_tokens_and_never_overwrites",)),
+           "        if existing:  #",
+           "        if False:  #",  # a second prepare-tokens would replace the token files a run trains on
+           ("tests/test_prepare_tokens.py::test_existing_files_are_never_overwritten",
+            "tests/test_shipped.py::test_prepare_tokens_writes_the_reference_text_as_byte_tokens_and_never_overwrites")),
     Mutant("compile_time_in_samples_per_s", "run/records.py",
            "seconds, self.step, self.time = now - self.time, self.step + 1, now",
            "seconds = now - self.time",  # the first interval's rate counts compilation again
@@ -832,6 +833,40 @@ MUTANTS = [
            'log(f"{e.finding}; trying the one before it")\n                continue',
            'raise',
            ("tests/test_sample.py", "-k", "damaged")),
+    # prepare-tokens: its tokenizers, meta.json, and what jdp train takes from it.
+    Mutant("prepare_empty_input_written", "data/prepare.py",
+           "n_train = _split_sizes(given, total, val_fraction)",
+           "n_train = int(round(total * (1.0 - val_fraction)))",  # empty.txt gives 0-token files and exit 0
+           ("tests/test_prepare_tokens.py::test_an_empty_input_is_refused_and_nothing_is_written",)),
+    Mutant("prepare_partial_link_followed", "data/prepare.py",
+           'os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)',
+           "os.O_WRONLY | os.O_CREAT | os.O_TRUNC",  # a planted OUTPUT/x.partial link writes the file it names
+           ("tests/test_prepare_tokens.py::test_a_planted_partial_link_is_refused_and_nothing_outside_output_is_written",)),
+    Mutant("prepare_publish_replaces", "data/prepare.py",
+           'os.link(path + ".partial", path, follow_symlinks=False)',
+           'os.replace(path + ".partial", path)',  # a file that appeared under the name is overwritten
+           ("tests/test_prepare_tokens.py::test_existing_files_are_never_overwritten",)),
+    Mutant("prepare_no_train_command", "data/prepare.py",
+           'f"train on it: jdp train {TRAIN_CONFIG} --set data.path={out}"]',
+           ']',  # the output no longer says how to train on it
+           ("tests/test_prepare_tokens.py::test_bpe_is_trained_here_on_the_training_split_deterministically",)),
+    Mutant("prepare_meta_bytes_are_characters", "data/prepare.py",
+           'nbytes += len(chunk.encode("utf-8"))',
+           "nbytes += len(chunk)",  # bits per byte from meta.json's bytes: wrong for non-ASCII text
+           ("tests/test_prepare_tokens.py::test_bytes_by_default_are_the_files_of_before_read_in_chunks_and_meta_json_says_what_they_hold",)),
+    Mutant("tokenizer_ids_above_65536_in_uint16", "data/tokenizer.py",
+           'return "uint16" if vocab_size <= 1 << 16 else "uint32"',
+           'return "uint16"',  # ids of a large vocabulary wrap around
+           ("tests/test_prepare_tokens.py::test_more_than_65536_ids_are_written_as_uint32",)),
+    Mutant("chunks_cut_inside_a_pre_token", "data/text_inputs.py",
+           "if text[at].isspace() and not text[at - 1].isspace():",
+           "if True:",  # a chunk boundary splits a pre-token: other tokens than the whole text's
+           ("tests/test_prepare_tokens.py::test_chunks_are_cut_where_the_pre_tokenizer_splits_anyway",
+            "tests/test_prepare_tokens.py::test_a_tokenizer_json_encodes_the_splits_as_the_library_does_whatever_the_chunk_size")),
+    Mutant("train_ignores_meta_json_disagreement", "run/prepared.py",
+           "if written is not None and written != meta[key]:",
+           "if False:",  # a config's data.vocab_size that is not the files' trains on other ids
+           ("tests/test_prepare_tokens.py::test_jdp_train_takes_vocab_size_and_dtype_from_meta_json_and_refuses_a_config_that_disagrees",)),
 ]
 
 

@@ -204,6 +204,8 @@ QUICK = (
     "test_sample.py::test_language_model_units_are_exp_and_log2_of_the_per_token_loss",
     "test_sample.py::test_plot_labels_the_loss_per_token_for_a_language_model_and_per_example_otherwise",
     "test_sample.py::test_bytes_per_token_of_the_char_corpus_and_of_token_folders",
+    # prepare-tokens: tokenizers, meta.json, refusals (no compile; tiny tokenizers).
+    "test_prepare_tokens.py",
 )
 
 

@@ -85,7 +85,8 @@ def test_prepare_tokens_writes_the_reference_text_as_byte_tokens_and_never_overw
     assert f"train.bin: {len(train):,} tokens" in capsys.readouterr().out
     before = (out / "train.bin").read_bytes()
     (tmp_path / "t.txt").write_text("abc" * 10)
-    for argv, message in ((["t.txt", str(out)], f"'{out / 'train.bin'}' already exists; choose another OUTPUT"),
+    for argv, message in ((["t.txt", str(out)], f"'{out / 'train.bin'}', '{out / 'val.bin'}' and "
+                                                f"'{out / 'meta.json'}' already exist; choose another OUTPUT"),
                           (["t.txt", str(tmp_path / "x"), "--dtype", "int8"], "--dtype 'int8' is not a token dtype"),
                           (["nothing.txt", str(tmp_path / "y")], "INPUT 'nothing.txt' is not a file")):
         assert main(["data", "prepare-tokens", *(str(tmp_path / a) if a == "t.txt" else a for a in argv)]) == 2
