@@ -53,6 +53,7 @@ class StepOptions:
     shard_params: bool = False  # FSDP: 1/N of the params too; implies shard_optimizer_state
     gather_in_model: bool = False  # shard_params: the model gathers its params itself (`jdp.fsdp.gather`), per layer
     replicas: int = 1  # hybrid sharding: the sharded state split within each of this many device groups
+    audit: bool = True  # the first call checks that a plain loss is a mean over its rows (`jdp.core.audit`)
 
     def __post_init__(self):
         for field, choices in (("backend", BACKENDS), ("reduction", REDUCTIONS), ("accum_sync", ACCUM_SYNCS)):
@@ -62,7 +63,7 @@ class StepOptions:
             if not _is_int(getattr(self, field)) or getattr(self, field) < 1:
                 raise OptionError(field, f"{field}={getattr(self, field)!r} must be an integer of at least 1.")
         for field in ("has_aux", "needs_rng", "has_state", "skip_nonfinite", "grad_norm", "shard_optimizer_state",
-                      "sync_batchnorm", "shard_params", "gather_in_model"):
+                      "sync_batchnorm", "shard_params", "gather_in_model", "audit"):
             if not isinstance(getattr(self, field), (bool, np.bool_)):
                 raise OptionError(field, f"{field}={getattr(self, field)!r} must be True or False.")
         if self.shard_params and self.backend != "shard_map":

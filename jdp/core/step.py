@@ -80,6 +80,7 @@ import numpy as np
 import optax
 
 from jdp.core.algorithm import Step, device_step
+from jdp.core.audit import Audit, AuditError, audit_loss
 from jdp.core.fsdp import FullyShardedLayout, host_whole
 from jdp.core.layouts import LAYOUTS, UNSIZED, aux_shapes
 from jdp.core.loss import call_loss
@@ -201,10 +202,20 @@ class TrainStep:
         state = self._first.sized(state, batch)
         if not self._first.model_state_checked:
             self._first.check_model_state(state, batch)
+        if not self._first.audited:
+            self._first.audit(state, batch)
         self.run_ahead.wait()
         state, metrics = self._step(state, batch)
         self.run_ahead.launched(metrics["micro_step"])
         return state, metrics
+
+    def audit(self, state: TrainState, batch) -> Audit:
+        """Check that a plain loss is a mean over its rows on this (micro-)batch (`jdp.core.audit`):
+        the `Audit` (the two values compared and the verdict), or the one-sentence `AuditError` (a
+        ValueError) for a loss that divides by each device's own count. The first call runs it
+        unless the step was made with audit=False."""
+        self._check_state(state)
+        return self._first.audit(state, self.shard_batch(batch))
 
     def canonical(self, state: TrainState) -> TrainState:
         """One device-count-independent copy of `state` (pmap's stacking undone, accumulator dropped).
@@ -242,6 +253,15 @@ class _FirstCall:
         self.layout, self.mesh, self._declared_loss, self._loss, self.options = (layout, mesh, declared_loss, loss,
                                                                                   options)
         self.model_state_checked = not options.has_state
+        self.audited = not options.audit
+
+    def audit(self, state: TrainState, placed) -> Audit:
+        """The audit of the loss on this batch (`jdp.core.audit.audit_loss`); AuditError if refused."""
+        found = audit_loss(self.layout, self.mesh, self._declared_loss, self.options, state, placed)
+        if found.verdict == "refused":
+            raise AuditError(found, self.layout.num_devices, self.options.backend)
+        self.audited = True
+        return found
 
     def sized(self, state: TrainState, placed) -> TrainState:
         """`state` with the accumulator's aux sums sized from aux's structure (traced on the mesh)."""
@@ -317,7 +337,7 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation |
                     grad_norm: bool = True, precision="float32", reduce_dtype=None,
                     shard_optimizer_state: bool = False, shard_params: bool = False,
                     axis_name: str = DATA_AXIS, sync_batchnorm: bool = True,
-                    gather_in_model: bool = False, replicas: int = 1) -> TrainStep:
+                    gather_in_model: bool = False, replicas: int = 1, audit: bool = True) -> TrainStep:
     """Build a data-parallel training step.
 
     Args:
@@ -370,6 +390,9 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation |
       sync_batchnorm: has_state only. True (default): the new model state must come out of the loss
         the same on every device (checked on the first call); False averages per-device statistics,
         which is NOT one device's step (`jdp.core.step`'s docstring).
+      audit: True (default): the first call checks that a plain scalar loss is a mean over its rows,
+        on a few rows of every device (`jdp.core.audit`), and refuses one that divides by each
+        device's own count of tokens (a mean of per-device means); False skips the check.
 
     Returns:
       A `TrainStep`: `state = step.init(params)`, `state, metrics = step(state, batch)` where the
@@ -380,7 +403,7 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation |
                           accum_sync=accum_sync, skip_nonfinite=skip_nonfinite, grad_norm=grad_norm,
                           precision=precision, reduce_dtype=reduce_dtype, shard_optimizer_state=shard_optimizer_state,
                           shard_params=shard_params, axis_name=axis_name, sync_batchnorm=sync_batchnorm,
-                          gather_in_model=gather_in_model, replicas=replicas)
+                          gather_in_model=gather_in_model, replicas=replicas, audit=audit)
     return TrainStep(loss_fn, optimizer, options, devices)
 
 
