@@ -89,7 +89,7 @@ from jdp.core.model_state import check_agreement, check_structure, spread_over_d
 from jdp.core.optim import OptimizerSpec, check_optimizer, for_reduction, with_grad_scale
 from jdp.core.options import StepOptions
 from jdp.core.placement import Placement
-from jdp.core.precision import check_master_params, in_precision
+from jdp.core.precision import check_master_params, check_trainable, in_precision
 from jdp.core.state import TrainState
 from jdp.core.zero import ShardedStateLayout
 from jdp.cpu import RunAhead
@@ -210,10 +210,8 @@ class TrainStep:
         return state, metrics
 
     def audit(self, state: TrainState, batch) -> Audit:
-        """Check that a plain loss is a mean over its rows on this (micro-)batch (`jdp.core.audit`):
-        the `Audit` (the two values compared and the verdict), or the one-sentence `AuditError` (a
-        ValueError) for a loss that divides by each device's own count. The first call runs it
-        unless the step was made with audit=False."""
+        """The `Audit` of a plain loss on this (micro-)batch (`jdp.core.audit`), as the first call runs it
+        unless audit=False; `AuditError` (a ValueError) for a loss divided by each device's own count."""
         self._check_state(state)
         return self._first.audit(state, self.shard_batch(batch))
 
@@ -303,17 +301,6 @@ def step_optimizer(optimizer, o: StepOptions, n: int) -> optax.GradientTransform
     if not o.multi_steps:
         return tx
     return optax.MultiSteps(with_grad_scale(tx), every_k_schedule=o.accum_steps).gradient_transformation()
-
-
-def check_trainable(params) -> None:
-    """Refuse, naming the leaf, params that `jax.grad` cannot differentiate (integer or bool leaves)."""
-    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-        dtype = jnp.result_type(leaf)
-        if not jnp.issubdtype(dtype, jnp.inexact):
-            raise ValueError(f"params{jax.tree_util.keystr(path)} is {dtype}, and the step differentiates every "
-                             f"leaf of params, which needs floating-point leaves; keep non-trainable values (counters, "
-                             f"masks, statistics) in the model state (has_state=True, `step.init(params, "
-                             f"model_state)`), which loss_fn receives and may update.")
 
 
 def check_state(state, stacked: bool, backend: str) -> None:
