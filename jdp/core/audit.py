@@ -50,7 +50,8 @@ class Audit(NamedTuple):
     """What the audit found: `gathered` (the loss of the N·k audited rows as one call), `own` (the mean
     over devices of each device's loss on its own k rows), `rows` (k), and the verdict: "commutes",
     "refused", or why nothing was compared: "weighted" (`jdp.Weighted`, or a loss under `mask_key`),
-    "one device", "per-device statistics" (`sync_batchnorm=False`), "not finite" (both NaN/Inf)."""
+    "one device", "per-device statistics" (`sync_batchnorm=False`), "not finite" (both NaN/Inf), "loss
+    failed" (the first call's audit could not run the loss on its rows: the step then raises its own error)."""
 
     gathered: float
     own: float
@@ -132,11 +133,13 @@ def params_view(layout):
                                                   enumerate(cuts.treedef.flatten_up_to(params))])
 
 
-def audit_loss(layout, mesh, loss, options, state, placed) -> Audit:
+def audit_loss(layout, mesh, loss, options, state, placed, first_call: bool = False) -> Audit:
     """Run the audit on the placed batch `placed` with the step's `state` (in its layout).
 
     `loss(params, model_state, batch, key) -> (total, (aux, model_state, weight))`: the step's loss as
-    declared (float32). Returns the `Audit`; a weighted loss is only traced (nothing compiled).
+    declared (float32). Returns the `Audit`; a weighted loss is only traced (nothing compiled). On the
+    first call (`first_call`), a loss that fails on the audit's rows is left to fail in the step
+    itself, with the step's own message for its own shapes (verdict "loss failed").
     """
     n = layout.num_devices
     reason = skip_reason(options, n)
@@ -147,15 +150,24 @@ def audit_loss(layout, mesh, loss, options, state, placed) -> Audit:
     axis = layout.axis
     per_device = _evaluations(loss, params_view(layout), n, k, axis)
     args = (state.params, state.model_state, placed, state.rng, state.micro_step)
-    if state.stacked:
-        lowered = jax.pmap(per_device, axis_name=axis, devices=list(mesh.devices.flat)).lower(*args)
-    else:
-        specs = layout._specs
-        mapped = jax.shard_map(per_device, mesh=mesh, in_specs=(specs.params, specs.model_state, P(data_axes(mesh)),
-                                                                 P(), P()), out_specs=P(), check_vma=False)
-        lowered = jax.jit(mapped).lower(*args)
+    try:
+        lowered = _lowered(per_device, layout, mesh, axis, state, args)
+    except Exception:
+        if not first_call:
+            raise
+        return Audit(float("nan"), float("nan"), k, "loss failed")
     if per_device.weighted:  # seen while lowering: nothing is compiled for a loss that carries its weight
         return Audit(float("nan"), float("nan"), k, "weighted")
     out = jax.device_get(lowered.compile()(*args))
     gathered, own = (float(np.asarray(x).reshape(-1)[0]) for x in out)
     return Audit(gathered, own, k, verdict(gathered, own))
+
+
+def _lowered(per_device, layout, mesh, axis, state, args):
+    """The audit's program, lowered (which traces the loss) in the layout: pmap, or shard_map under jit."""
+    if state.stacked:
+        return jax.pmap(per_device, axis_name=axis, devices=list(mesh.devices.flat)).lower(*args)
+    specs = layout._specs
+    mapped = jax.shard_map(per_device, mesh=mesh, in_specs=(specs.params, specs.model_state, P(data_axes(mesh)),
+                                                             P(), P()), out_specs=P(), check_vma=False)
+    return jax.jit(mapped).lower(*args)

@@ -203,7 +203,7 @@ class TrainStep:
         if not self._first.model_state_checked:
             self._first.check_model_state(state, batch)
         if not self._first.audited:
-            self._first.audit(state, batch)
+            self._first.audit(state, batch, first_call=True)
         self.run_ahead.wait()
         state, metrics = self._step(state, batch)
         self.run_ahead.launched(metrics["micro_step"])
@@ -253,9 +253,9 @@ class _FirstCall:
         self.model_state_checked = not options.has_state
         self.audited = not options.audit
 
-    def audit(self, state: TrainState, placed) -> Audit:
+    def audit(self, state: TrainState, placed, first_call: bool = False) -> Audit:
         """The audit of the loss on this batch (`jdp.core.audit.audit_loss`); AuditError if refused."""
-        found = audit_loss(self.layout, self.mesh, self._declared_loss, self.options, state, placed)
+        found = audit_loss(self.layout, self.mesh, self._declared_loss, self.options, state, placed, first_call)
         if found.verdict == "refused":
             raise AuditError(found, self.layout.num_devices, self.options.backend)
         self.audited = True
