@@ -52,7 +52,8 @@ def make(loss_fn, *, has_aux=True, **options):
     return step, step.init(token_params())
 
 
-LAYOUTS = {"shard_map": {}, "pmap": {"backend": "pmap"}, "fsdp": {"shard_params": True}}
+LAYOUTS = {"shard_map": {}, "pmap": {"backend": "pmap"}, "fsdp": {"shard_params": True},
+           "hybrid": {"shard_params": True, "replicas": 2}}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
