@@ -867,6 +867,31 @@ MUTANTS = [
            "if written is not None and written != meta[key]:",
            "if False:",  # a config's data.vocab_size that is not the files' trains on other ids
            ("tests/test_prepare_tokens.py::test_jdp_train_takes_vocab_size_and_dtype_from_meta_json_and_refuses_a_config_that_disagrees",)),
+    # The first-call audit (jdp/core/audit.py): a loss divided by each device's own count is refused.
+    Mutant("audit_not_run_on_the_first_call", "core/step.py",
+           "if not self._first.audited:",
+           "if False:",  # an own-count loss trains as a mean of per-device means, silently
+           ("tests/test_audit.py::test_a_loss_divided_by_each_devices_own_count_is_refused_in_one_sentence[shard_map]",)),
+    Mutant("audit_compares_the_gathered_rows_with_themselves", "core/audit.py",
+           "jnp.stack([x, y]), rotated, repeated)",
+           "jnp.stack([x, y]), rotated, rotated)",
+           ("tests/test_audit.py::test_a_loss_divided_by_each_devices_own_count_is_refused_in_one_sentence[shard_map]",)),
+    Mutant("audit_tolerance_too_loose_to_fire", "core/audit.py",
+           "RTOL = 1e-4",
+           "RTOL = 1e-1",
+           ("tests/test_audit.py::test_a_loss_divided_by_each_devices_own_count_is_refused_in_one_sentence[shard_map]",)),
+    Mutant("audit_rows_not_rotated", "core/audit.py",
+           "start = lax.axis_index(axis) * k",
+           "start = 0 * k",  # dropout masks no longer meet the same rows both ways: a false alarm
+           ("tests/test_audit.py::test_batch_statistics_and_dropout_pass_as_a_mean_and_are_refused_as_an_own_count",)),
+    Mutant("audit_key_per_device", "core/audit.py",
+           "key = jax.random.fold_in(rng, micro_step)",
+           "key = jax.random.fold_in(jax.random.fold_in(rng, micro_step), lax.axis_index(axis))",
+           ("tests/test_audit.py::test_batch_statistics_and_dropout_pass_as_a_mean_and_are_refused_as_an_own_count",)),
+    Mutant("audit_weighted_loss_audited", "core/audit.py",
+           "per_device.weighted = weight is not None",
+           "per_device.weighted = False",
+           ("tests/test_audit.py::test_weighted_losses_and_mask_key_are_not_audited_and_run",)),
 ]
 
 

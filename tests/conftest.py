@@ -206,6 +206,11 @@ QUICK = (
     "test_sample.py::test_bytes_per_token_of_the_char_corpus_and_of_token_folders",
     # prepare-tokens: tokenizers, meta.json, refusals (no compile; tiny tokenizers).
     "test_prepare_tokens.py",
+    # The first-call audit: an own-count loss refused; a mean with synchronised statistics and dropout
+    # passes; a weighted loss is not audited.
+    "test_audit.py::test_a_loss_divided_by_each_devices_own_count_is_refused_in_one_sentence[shard_map]",
+    "test_audit.py::test_batch_statistics_and_dropout_pass_as_a_mean_and_are_refused_as_an_own_count",
+    "test_audit.py::test_weighted_losses_and_mask_key_are_not_audited_and_run",
 )
 
 
