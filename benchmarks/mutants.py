@@ -650,6 +650,19 @@ MUTANTS = [
            'print(f"jdp: error: {e}.", file=sys.stderr)',
            'print(f"jdp: error: {e}", file=sys.stderr)',  # the CLI's own part of a quoted line
            ("tests/test_docs.py::test_every_console_line_the_pages_quote_is_what_jdp_prints",)),
+    # issue 39: padding, optax under sharding, split axis
+    Mutant("padding_first_call_divides_by_zero", "core/algorithm.py",
+           "so_far = jnp.where((calls < accum_steps) & (so_far == 0), jnp.ones_like(so_far), so_far)",
+           "so_far = so_far",  # a first micro-batch of padding only: 1/0, then MultiSteps' 0 · NaN params
+           ("tests/test_weighted.py::test_a_call_or_device_of_padding_only_equals_one_device",)),
+    Mutant("padding_step_of_no_weight_not_nan", "core/algorithm.py",
+           "(calls < accum_steps) & (so_far == 0)",
+           "(so_far == 0)",  # a step of weight 0 divides by 1 on its last call: params silently unchanged
+           ("tests/test_weighted.py::test_a_step_of_padding_only_gives_nan_or_is_skipped",)),
+    Mutant("padding_device_aux_nan", "core/weighting.py",
+           "return jnp.where(weight == 0, jnp.zeros_like(mean * weight), mean * weight)",
+           "return mean * weight",  # a plain aux on a device of padding only: 0/0 · 0 = NaN for the step
+           ("tests/test_weighted.py::test_a_call_or_device_of_padding_only_equals_one_device",)),
 ]
 
 
