@@ -663,6 +663,14 @@ MUTANTS = [
            "return jnp.where(weight == 0, jnp.zeros_like(mean * weight), mean * weight)",
            "return mean * weight",  # a plain aux on a device of padding only: 0/0 · 0 = NaN for the step
            ("tests/test_weighted.py::test_a_call_or_device_of_padding_only_equals_one_device",)),
+    Mutant("sharded_state_of_masked_left_whole", "core/zero.py",
+           "return cuts.dims[i]",
+           "return WHOLE",  # every optimizer state leaf whole on every device: exact, but no memory saved
+           ("tests/test_sharded_optax.py::test_masked_partitioned_and_muon_equal_one_device",)),
+    Mutant("scanned_layer_axis_split", "core/fsdp.py",
+           "self.split_first = not in_model",
+           "self.split_first = True",  # a stacked leaf split along its layers: the scan gets 1 layer per device
+           ("tests/test_fsdp_layers.py::test_a_stacked_leaf_no_later_dimension_of_which_divides_stays_whole",)),
 ]
 
 
