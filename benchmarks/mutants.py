@@ -671,6 +671,14 @@ MUTANTS = [
            "self.split_first = not in_model",
            "self.split_first = True",  # a stacked leaf split along its layers: the scan gets 1 layer per device
            ("tests/test_fsdp_layers.py::test_a_stacked_leaf_no_later_dimension_of_which_divides_stays_whole",)),
+    Mutant("whole_leaves_not_reported", "inspect/memory.py",
+           "whole=() if cuts is None else tuple(cuts.whole_leaves())",
+           "whole=()",  # memory_report silent about the leaves every device holds whole
+           ("tests/test_fsdp.py::test_the_leaves_kept_whole_are_named_with_their_bytes",)),
+    Mutant("whole_leaves_not_in_the_train_line", "run/train.py",
+           'whole = f"; {report.whole_text()}" if report.whole else ""',
+           'whole = ""',  # jdp train's memory line no longer names them
+           ("tests/test_fsdp.py::test_the_leaves_kept_whole_are_named_with_their_bytes",)),
 ]
 
 

@@ -154,6 +154,7 @@ QUICK = (
     "test_config_schema.py::test_cli_prints_the_schema", "test_papercuts.py::test_version_flag_prints_the_package_version",
     "test_papercuts.py::test_explain_tables_fit_80_columns_when_piped",
     "test_fsdp.py::test_params_and_optimizer_state_are_one_nth_per_device", "test_fsdp.py::test_refusals_and_config_key",
+    "test_fsdp.py::test_the_leaves_kept_whole_are_named_with_their_bytes",
     "test_blockwise.py", "test_sharded_optax.py::test_optimizer_as_written_equals_one_device[clip_adamw_mask-zero1]",
     "test_sharded_optax.py::test_masked_partitioned_and_muon_equal_one_device[masked-zero1]",
     "test_sharded_optax.py::test_masked_partitioned_and_muon_equal_one_device[muon-fsdp]",

@@ -76,6 +76,17 @@ class Cuts:
         self.leaves, self.treedef = jax.tree.flatten(self.struct)
         self.dims = [split_dim(x.shape, n, first) for x in self.leaves]
 
+    def whole_leaves(self) -> list[tuple[str, int]]:
+        """(path, bytes) of every leaf kept whole on each of the n devices (no dimension `split_dim`
+        may split over n), largest first; empty for n = 1, where nothing is split."""
+        if self.n == 1:
+            return []
+        # an nnx Variable's path ends in ".value": the name is the param's without it
+        paths = [jax.tree_util.keystr(path).removesuffix(".value")
+                 for path, _ in jax.tree_util.tree_flatten_with_path(self.struct)[0]]
+        whole = [(paths[i], self.block_bytes(i)) for i, k in enumerate(self.dims) if k == WHOLE]
+        return sorted(whole, key=lambda pb: -pb[1])
+
     def dim_tree(self):
         return self.treedef.unflatten(self.dims)
 

@@ -249,8 +249,9 @@ class _Loop:
         the start and written with the first step's record. The step compiled here is the one the
         first call runs (jax reuses the compilation)."""
         report = memory_report(self.step, state, micro)
+        whole = f"; {report.whole_text()}" if report.whole else ""
         self.writer.log(f"memory per device ({report.layout}): state {report.state / 1e6:,.1f} MB, compiled "
-                        f"step peak {(report.allocated or 0) / 1e6:,.1f} MB")
+                        f"step peak {(report.allocated or 0) / 1e6:,.1f} MB{whole}")
         return {"memory_state_bytes": report.state, "memory_peak_bytes": report.allocated}
 
     def evaluate(self, state, s: int) -> dict:
