@@ -679,6 +679,14 @@ MUTANTS = [
            'whole = f"; {report.whole_text()}" if report.whole else ""',
            'whole = ""',  # jdp train's memory line no longer names them
            ("tests/test_fsdp.py::test_the_leaves_kept_whole_are_named_with_their_bytes",)),
+    Mutant("failed_start_leaves_its_workdir", "run/workfiles.py",
+           "remove_if_empty(self.dirs)",
+           "pass",  # a run that failed as its first step compiled leaves an empty workdir behind
+           ("tests/test_faults_run.py::test_a_run_that_fails_before_its_first_step_leaves_no_workdir",)),
+    Mutant("refused_run_takes_back_the_live_runs_files", "run/train.py",
+           "locked_workdir(workdir, log), made.files_on_failure(),",
+           "made.files_on_failure(), locked_workdir(workdir, log),",  # cleanup armed before the lock is held
+           ("tests/test_faults_run.py::test_a_run_that_fails_before_its_first_step_leaves_no_workdir",)),
 ]
 
 

@@ -155,6 +155,7 @@ QUICK = (
     "test_papercuts.py::test_explain_tables_fit_80_columns_when_piped",
     "test_fsdp.py::test_params_and_optimizer_state_are_one_nth_per_device", "test_fsdp.py::test_refusals_and_config_key",
     "test_fsdp.py::test_the_leaves_kept_whole_are_named_with_their_bytes",
+    "test_faults_run.py::test_a_run_that_fails_before_its_first_step_leaves_no_workdir",
     "test_blockwise.py", "test_sharded_optax.py::test_optimizer_as_written_equals_one_device[clip_adamw_mask-zero1]",
     "test_sharded_optax.py::test_masked_partitioned_and_muon_equal_one_device[masked-zero1]",
     "test_sharded_optax.py::test_masked_partitioned_and_muon_equal_one_device[muon-fsdp]",

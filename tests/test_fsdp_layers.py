@@ -202,4 +202,8 @@ def test_jdp_train_scanned_gpt_whose_layer_count_alone_divides_the_devices(tmp_p
 
     out, losses = go("scanned")
     assert "gathered per layer, by the model" in out and "done at step 2 of 2" in out
+    said = next(line for line in out.splitlines() if line.startswith("memory per device"))
+    assert ("params leaves stay whole on every device with their optimizer state" in said
+            and "as no dimension of theirs after the first (a scanned model's layers) divides by 3: "
+                "['layers']['fc']['kernel'] 12,288 B" in said), said
     assert len(losses) == 2 and all(np.isfinite(losses))

@@ -25,7 +25,7 @@ from jdp.run.profile import StepProfile, parse_steps
 from jdp.run.records import (DataStoppedError, EvaluationOutOfMemoryError, NonFiniteError, Throughput, check_finite,
                               evaluation_out_of_memory, stopping_line, train_record, unreadable_batch)
 from jdp.run.tasks import build_task, train_step_for
-from jdp.run.workfiles import refuse_symlink
+from jdp.run.workfiles import MadeByRun, refuse_symlink
 
 # load_metrics, plot_metrics: jdp.run.metrics's, kept importable from here
 __all__ = ["DataStoppedError", "EvaluationOutOfMemoryError", "NonFiniteError", "StopSignals", "TrainResult", "itstime", "load_metrics", "meant_for_accelerators",
@@ -127,9 +127,12 @@ def train(config: Config, workdir: str, *, devices=None, log=print, progress: bo
     devices = _checked_devices(config, devices, workdir, allow_cpu, log)
     paths = (None, None) if task else (config.data.path, config.data.val_path)
     parts = _Parts.build(config, task or build_task(config), devices, facts, paths)
-    # Exits in reverse order: files closed and the last checkpoint write awaited, then the workdir
-    # released, all while the signals are still handled (a SIGTERM then cannot kill the write).
-    with StopSignals() as signals, locked_workdir(workdir, log), contextlib.ExitStack() as cleanup:
+    # A run that fails before its first step takes back the empty workdir and files it made.
+    made = MadeByRun(workdir, active=jax.process_index() == 0)
+    with made.dirs_on_failure(), StopSignals() as signals, locked_workdir(workdir, log), made.files_on_failure(), \
+            contextlib.ExitStack() as cleanup:
+        # Exits in reverse order: files closed and the last checkpoint write awaited, then the workdir
+        # released, all while the signals are still handled (a SIGTERM then cannot kill the write).
         cleanup.callback(parts.batches.close)
         refuse_symlink(os.path.join(workdir, "checkpoints"), "the checkpoint directory")
         checkpoints = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.train.keep_checkpoints)
