@@ -116,6 +116,8 @@ def train(config: Config, workdir: str, *, devices=None, log=print, progress: bo
     consecutive updates with NaN/Inf gradients (each skipped on every device). A damaged newest
     checkpoint is refused (ValueError) unless `fallback_to_intact`, which resumes from the newest
     intact one; a state holding NaN/Inf is never checkpointed (`jdp.run.checkpoint.NonFiniteStateError`).
+    A run that fails before its first record or checkpoint (as the step compiles) removes what it made
+    and left empty: checkpoints/, metrics.jsonl and the workdir (`jdp.run.workfiles.MadeByRun`).
     """
     if not workdir:
         raise ValueError("--workdir '' is empty; name the run's directory (or leave --workdir out for "
@@ -127,7 +129,7 @@ def train(config: Config, workdir: str, *, devices=None, log=print, progress: bo
     devices = _checked_devices(config, devices, workdir, allow_cpu, log)
     paths = (None, None) if task else (config.data.path, config.data.val_path)
     parts = _Parts.build(config, task or build_task(config), devices, facts, paths)
-    # A run that fails before its first step takes back the empty workdir and files it made.
+    # A run that fails before it writes a record or checkpoint takes back the empty workdir and files it made.
     made = MadeByRun(workdir, active=jax.process_index() == 0)
     with made.dirs_on_failure(), StopSignals() as signals, locked_workdir(workdir, log), made.files_on_failure(), \
             contextlib.ExitStack() as cleanup:

@@ -128,18 +128,15 @@ def finish_deletions(directory: str) -> None:
                 _remove_doomed(entry.path)
 
 
-__all__ = ["DELETING", "SymlinkRefusedError", "finish_deletions", "is_jdp_checkpoint", "open_nofollow",
-           "refuse_symlink", "refuse_symlinks_in", "refusal", "remove_checkpoint"]
-
-
 FIRST_FILES = ("metrics.jsonl", "checkpoints")  # what a run makes in its workdir before its first step
 
 
 class MadeByRun:
-    """What a run is about to make, taken back if it fails before it trains: of `FIRST_FILES`, the
-    workdir and its parents, those that do not exist yet (`active=False`: nothing, for every process
-    but the one that writes). Only what is still empty is removed, and only by a run that held the
-    workdir's lock (a run refused by it never touches what the live one made)."""
+    """What a run is about to make, taken back if it fails while they are still empty (before its
+    first record or checkpoint, e.g. as the first step compiles): of `FIRST_FILES`, the workdir and
+    its parents, those that do not exist yet (`active=False`: nothing, for every process but the one
+    that writes). Only a run that held the workdir's lock removes anything (a run refused by it never
+    touches what the live one made)."""
 
     def __init__(self, workdir: str, active: bool = True):
         self.files = [os.path.join(workdir, n) for n in FIRST_FILES if not os.path.lexists(os.path.join(workdir, n))]
@@ -183,3 +180,7 @@ def remove_if_empty(paths: list[str]) -> None:
                 os.unlink(path)
         except OSError:
             continue
+
+
+__all__ = ["DELETING", "FIRST_FILES", "MadeByRun", "SymlinkRefusedError", "finish_deletions", "is_jdp_checkpoint",
+           "open_nofollow", "refuse_symlink", "refuse_symlinks_in", "refusal", "remove_checkpoint", "remove_if_empty"]
