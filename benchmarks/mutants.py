@@ -172,9 +172,10 @@ MUTANTS = [
            "if after",  # a flattening that interleaves the blocks kept as blocks
            ("tests/test_blockwise.py", "-k", "gathered")),
     Mutant("opt_state_not_split", "core/zero.py",
-           "self.optimizer, lambda x, i: cuts.dims[i] if x.shape == cuts.leaves[i].shape else WHOLE,",
-           "self.optimizer, lambda x, i: WHOLE if x.shape == cuts.leaves[i].shape else WHOLE,",
-           ("tests/test_zero.py::test_optimizer_state_bytes_per_device_are_one_nth",)),
+           "return cuts.dims[i]",
+           "return WHOLE",
+           ("tests/test_zero.py::test_optimizer_state_bytes_per_device_are_one_nth",
+            "tests/test_sharded_optax.py::test_masked_partitioned_and_muon_equal_one_device")),
     Mutant("fsdp_layers_reduced_once_for_the_model", "core/fsdp.py",
            "        if self.in_model:\n            return self.marked(params)\n",
            "",  # the whole model gathered before the loss: one reduce-scatter after the backward pass
@@ -419,7 +420,7 @@ MUTANTS = [
            "if False:",  # every call divides by its own weight: the mean of micro-batch means
            ("tests/test_weighted.py::test_weighted_loss_equals_one_device_per_token",)),
     Mutant("aux_not_weighted_by_the_loss", "core/weighting.py",
-           "lambda a: Weighted(a * weight, weight)",
+           "lambda a: Weighted(_times(a, weight), weight)",
            "lambda a: Weighted(a, jnp.float32(1))",  # plain aux averaged with equal weight per device
            ("tests/test_weighted.py::test_weighted_loss_equals_one_device_per_token",)),
     Mutant("eval_weights_ignored", "core/evaluate.py",
@@ -663,14 +664,14 @@ MUTANTS = [
            "return jnp.where(weight == 0, jnp.zeros_like(mean * weight), mean * weight)",
            "return mean * weight",  # a plain aux on a device of padding only: 0/0 · 0 = NaN for the step
            ("tests/test_weighted.py::test_a_call_or_device_of_padding_only_equals_one_device",)),
-    Mutant("sharded_state_of_masked_left_whole", "core/zero.py",
-           "return cuts.dims[i]",
-           "return WHOLE",  # every optimizer state leaf whole on every device: exact, but no memory saved
+    Mutant("sharded_state_matched_by_whole_path_only", "core/zero.py",
+           "i = paths.get(tuple(path[len(path) - n:])) if n <= len(path) else None",
+           "i = paths.get(tuple(path))",  # the state's paths (.mu['l0']['w']) never equal a param's: all whole
            ("tests/test_sharded_optax.py::test_masked_partitioned_and_muon_equal_one_device",)),
-    Mutant("scanned_layer_axis_split", "core/fsdp.py",
-           "self.split_first = not in_model",
-           "self.split_first = True",  # a stacked leaf split along its layers: the scan gets 1 layer per device
-           ("tests/test_fsdp_layers.py::test_a_stacked_leaf_no_later_dimension_of_which_divides_stays_whole",)),
+    Mutant("scanned_layer_axis_split", "models/gpt.py",
+           "stack = gather_layer_axis(stack)",
+           "stack = stack",  # a stacked leaf split along its layers: the scan gets 1 layer per device
+           ("tests/test_fsdp_layers.py::test_a_stacked_leaf_split_along_its_layers_is_gathered_before_the_scan",)),
     Mutant("whole_leaves_not_reported", "inspect/memory.py",
            "whole=() if cuts is None else tuple(cuts.whole_leaves())",
            "whole=()",  # memory_report silent about the leaves every device holds whole

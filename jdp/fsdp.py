@@ -3,6 +3,6 @@
 The public name of `jdp.core.fsdp`, where it is implemented; import it as `jdp.fsdp`.
 """
 from jdp.core.fsdp import FullyShardedLayout, host_whole, whole_params
-from jdp.core.split import Split, gather, is_split
+from jdp.core.split import Split, gather, gather_layer_axis, is_split
 
-__all__ = ["FullyShardedLayout", "Split", "gather", "host_whole", "is_split", "whole_params"]
+__all__ = ["FullyShardedLayout", "Split", "gather", "gather_layer_axis", "host_whole", "is_split", "whole_params"]

@@ -161,7 +161,7 @@ QUICK = (
     "test_sharded_optax.py::test_masked_partitioned_and_muon_equal_one_device[muon-fsdp]",
     "test_fsdp_layers.py::test_the_loop_gathers_each_layer_and_reduce_scatters_its_gradient",
     "test_fsdp_layers.py::test_per_layer_gathering_equals_one_device[fp32]",
-    "test_fsdp_layers.py::test_a_stacked_leaf_no_later_dimension_of_which_divides_stays_whole",
+    "test_fsdp_layers.py::test_a_stacked_leaf_split_along_its_layers_is_gathered_before_the_scan",
     "test_fsdp_layers.py::test_refusals",
     "test_fsdp_layers.py::test_jdp_train_scans_the_gpt_per_layer_under_fsdp_unless_the_config_says",
     "test_models.py::test_gpt_scanned_is_the_same_model",

@@ -70,8 +70,6 @@ class FullyShardedLayout(ShardedStateLayout):
         super().__init__(mesh, accum, optimizer)
         self.compute_dtype = DTYPES[precision]  # what the loss computes in: the dtype the params are gathered in
         self.in_model = in_model  # gather_in_model: the loss gets `Split` blocks and gathers them itself
-        # ... a layer's slice at a time, in a scan over the leading axis: never split along it
-        self.split_first = not in_model
 
     def state_specs(self, opt_specs) -> TrainState:
         return super().state_specs(opt_specs).replace(params=self.cuts.specs())

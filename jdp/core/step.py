@@ -359,9 +359,7 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation |
         each device keeps 1/N of every params leaf too (`jdp.core.step`'s docstring, `jdp.fsdp`).
       gather_in_model: shard_params only: hand the loss every split params leaf as a
         `jdp.fsdp.Split` (this device's block) for the model to gather itself with
-        `jdp.fsdp.gather`, one layer at a time inside its scanned layers (`jdp.core.split`);
-        a leaf is then never split along its first (stacked layer) dimension, and one no later
-        dimension of which N divides stays whole.
+        `jdp.fsdp.gather`, one layer at a time inside its scanned layers (`jdp.core.split`).
       replicas: hybrid sharding (with shard_params or shard_optimizer_state): the N devices form
         `replicas` groups of N/replicas (consecutive devices; one per host with a group per process);
         the state is split within a group and replicated across groups, so the gradient is

@@ -41,16 +41,15 @@ from jdp.core.reduce import low_precision, reduce_step_values
 from jdp.core.state import TrainState
 
 
-def split_dim(shape, n: int, first: bool = True) -> int:
+def split_dim(shape, n: int) -> int:
     """The dimension a leaf of `shape` is split along over `n` devices: its largest one after the
-    first that `n` divides (the first of equal ones), else the first if `n` divides it and `first`,
-    or WHOLE (-1) if none does or n is 1. The first dimension comes last because stacked layers (a
-    scanned model's leading axis of layers) lie along it: split there, a device would hold whole
-    layers. `first=False` never splits it: a model that scans over that axis and gathers one
-    layer's slice at a time (gather_in_model) needs every layer on every device."""
+    first that `n` divides (the first of equal ones), else the first if `n` divides it, or WHOLE (-1)
+    if none does or n is 1. The first dimension comes last because stacked layers (a scanned
+    model's leading axis of layers) lie along it: split there, a device would hold whole layers
+    (a scanned model gathers such a leaf whole before its scan, `jdp.fsdp.gather_layer_axis`)."""
     dims = [i for i, s in enumerate(shape) if s and s % n == 0] if n > 1 else []
     later = [i for i in dims if i > 0]
-    return max(later, key=lambda i: (shape[i], -i)) if later else dims[0] if dims and first else WHOLE
+    return max(later, key=lambda i: (shape[i], -i)) if later else dims[0] if dims else WHOLE
 
 
 def spec(dim: int, ndim: int, axis: str) -> P:
@@ -69,12 +68,11 @@ class Cuts:
     completes the groups' reduce-scatters with one all-reduce of the blocks across the groups.
     """
 
-    def __init__(self, params, n: int, axis: str = DATA_AXIS, replica_axis: str | None = None, replicas: int = 1,
-                 first: bool = True):
+    def __init__(self, params, n: int, axis: str = DATA_AXIS, replica_axis: str | None = None, replicas: int = 1):
         self.n, self.axis, self.replica_axis, self.replicas = n, axis, replica_axis, replicas
         self.struct = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), params)
         self.leaves, self.treedef = jax.tree.flatten(self.struct)
-        self.dims = [split_dim(x.shape, n, first) for x in self.leaves]
+        self.dims = [split_dim(x.shape, n) for x in self.leaves]
 
     def whole_leaves(self) -> list[tuple[str, int]]:
         """(path, bytes) of every leaf kept whole on each of the n devices (no dimension `split_dim`
@@ -218,7 +216,6 @@ class ShardedStateLayout(ShardMapLayout):
         super().__init__(mesh, accum)
         self.optimizer, self.cuts, self._device_step, self._jitted = optimizer, None, None, None
         self.gathered = []  # operations the optimizer's update ran on whole values (`jdp.core.blockwise`)
-        self.split_first = True  # a leaf's first dimension may be its split one (`split_dim`)
         # The state is split along the mesh's last axis: all of it, or (hybrid) a replica group's devices.
         self.shard_axis = mesh.axis_names[-1]
         self.replica_axis = mesh.axis_names[0] if len(mesh.axis_names) > 1 else None
@@ -227,7 +224,7 @@ class ShardedStateLayout(ShardMapLayout):
 
     def bind(self, params) -> bool:
         """Cut `params`' leaves over the devices; True if this changed the state's layout."""
-        cuts = Cuts(params, self.group, self.shard_axis, self.replica_axis, self.replicas, self.split_first)
+        cuts = Cuts(params, self.group, self.shard_axis, self.replica_axis, self.replicas)
         if self.cuts is not None and (cuts.treedef, cuts.leaves) == (self.cuts.treedef, self.cuts.leaves):
             return False
         self.opt_struct = jax.eval_shape(self.optimizer.init, cuts.struct)

@@ -62,10 +62,9 @@ class MemoryReport:
         n, group = len(self.whole), self.devices // self.replicas
         named = ", ".join(f"{path} {size:,} B" for path, size in self.whole[:shown])
         more = f" and {n - shown} more" if n > shown else ""
-        after = " after the first (a scanned model's layers)" if self.gathered and "per layer" in self.gathered else ""
         leaves, its, it = ("params leaf stays", "its", "it") if n == 1 else ("params leaves stay", "their", "theirs")
         return (f"{n} {leaves} whole on every device with {its} optimizer state, {sum(b for _, b in self.whole):,} B, "
-                f"as no dimension of {it}{after} divides by {group}: {named}{more}")
+                f"as no dimension of {it} divides by {group}: {named}{more}")
 
     def __str__(self) -> str:
         layout = self.layout
