@@ -172,9 +172,10 @@ MUTANTS = [
            "if after",  # a flattening that interleaves the blocks kept as blocks
            ("tests/test_blockwise.py", "-k", "gathered")),
     Mutant("opt_state_not_split", "core/zero.py",
-           "self.optimizer, lambda x, i: cuts.dims[i] if x.shape == cuts.leaves[i].shape else WHOLE,",
-           "self.optimizer, lambda x, i: WHOLE if x.shape == cuts.leaves[i].shape else WHOLE,",
-           ("tests/test_zero.py::test_optimizer_state_bytes_per_device_are_one_nth",)),
+           "return cuts.dims[i]",
+           "return WHOLE",
+           ("tests/test_zero.py::test_optimizer_state_bytes_per_device_are_one_nth",
+            "tests/test_sharded_optax.py::test_masked_partitioned_and_muon_equal_one_device")),
     Mutant("fsdp_layers_reduced_once_for_the_model", "core/fsdp.py",
            "        if self.in_model:\n            return self.marked(params)\n",
            "",  # the whole model gathered before the loss: one reduce-scatter after the backward pass
@@ -419,7 +420,7 @@ MUTANTS = [
            "if False:",  # every call divides by its own weight: the mean of micro-batch means
            ("tests/test_weighted.py::test_weighted_loss_equals_one_device_per_token",)),
     Mutant("aux_not_weighted_by_the_loss", "core/weighting.py",
-           "lambda a: Weighted(a * weight, weight)",
+           "lambda a: Weighted(_times(a, weight), weight)",
            "lambda a: Weighted(a, jnp.float32(1))",  # plain aux averaged with equal weight per device
            ("tests/test_weighted.py::test_weighted_loss_equals_one_device_per_token",)),
     Mutant("eval_weights_ignored", "core/evaluate.py",
@@ -892,6 +893,43 @@ MUTANTS = [
            "per_device.weighted = weight is not None",
            "per_device.weighted = False",
            ("tests/test_audit.py::test_weighted_losses_and_mask_key_are_not_audited_and_run",)),
+    # issue 39: padding, optax under sharding, split axis
+    Mutant("padding_first_call_divides_by_zero", "core/algorithm.py",
+           "so_far = jnp.where((calls < accum_steps) & (so_far == 0), jnp.ones_like(so_far), so_far)",
+           "so_far = so_far",  # a first micro-batch of padding only: 1/0, then MultiSteps' 0 · NaN params
+           ("tests/test_weighted.py::test_a_call_or_device_of_padding_only_equals_one_device",)),
+    Mutant("padding_step_of_no_weight_not_nan", "core/algorithm.py",
+           "(calls < accum_steps) & (so_far == 0)",
+           "(so_far == 0)",  # a step of weight 0 divides by 1 on its last call: params silently unchanged
+           ("tests/test_weighted.py::test_a_step_of_padding_only_gives_nan_or_is_skipped",)),
+    Mutant("padding_device_aux_nan", "core/weighting.py",
+           "return jnp.where(weight == 0, jnp.zeros_like(mean * weight), mean * weight)",
+           "return mean * weight",  # a plain aux on a device of padding only: 0/0 · 0 = NaN for the step
+           ("tests/test_weighted.py::test_a_call_or_device_of_padding_only_equals_one_device",)),
+    Mutant("sharded_state_matched_by_whole_path_only", "core/zero.py",
+           "i = paths.get(tuple(path[len(path) - n:])) if n <= len(path) else None",
+           "i = paths.get(tuple(path))",  # the state's paths (.mu['l0']['w']) never equal a param's: all whole
+           ("tests/test_sharded_optax.py::test_masked_partitioned_and_muon_equal_one_device",)),
+    Mutant("scanned_layer_axis_split", "models/gpt.py",
+           "stack = gather_layer_axis(stack)",
+           "stack = stack",  # a stacked leaf split along its layers: the scan gets 1 layer per device
+           ("tests/test_fsdp_layers.py::test_a_stacked_leaf_split_along_its_layers_is_gathered_before_the_scan",)),
+    Mutant("whole_leaves_not_reported", "inspect/memory.py",
+           "whole=() if cuts is None else tuple(cuts.whole_leaves())",
+           "whole=()",  # memory_report silent about the leaves every device holds whole
+           ("tests/test_fsdp.py::test_the_leaves_kept_whole_are_named_with_their_bytes",)),
+    Mutant("whole_leaves_not_in_the_train_line", "run/train.py",
+           'whole = f"; {report.whole_text()}" if report.whole else ""',
+           'whole = ""',  # jdp train's memory line no longer names them
+           ("tests/test_fsdp.py::test_the_leaves_kept_whole_are_named_with_their_bytes",)),
+    Mutant("failed_start_leaves_its_workdir", "run/workfiles.py",
+           "remove_if_empty(self.dirs)",
+           "pass",  # a run that failed as its first step compiled leaves an empty workdir behind
+           ("tests/test_faults_run.py::test_a_run_that_fails_before_its_first_step_leaves_no_workdir",)),
+    Mutant("refused_run_takes_back_the_live_runs_files", "run/train.py",
+           "locked_workdir(workdir, log), made.files_on_failure(),",
+           "made.files_on_failure(), locked_workdir(workdir, log),",  # cleanup armed before the lock is held
+           ("tests/test_faults_run.py::test_a_run_that_fails_before_its_first_step_leaves_no_workdir",)),
 ]
 
 
