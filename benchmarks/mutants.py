@@ -930,6 +930,11 @@ MUTANTS = [
            "locked_workdir(workdir, log), made.files_on_failure(),",
            "made.files_on_failure(), locked_workdir(workdir, log),",  # cleanup armed before the lock is held
            ("tests/test_faults_run.py::test_a_run_that_fails_before_its_first_step_leaves_no_workdir",)),
+    # the global view's optimizer state by the state's paths
+    Mutant("jit_opt_state_left_replicated", "core/global_view.py",
+           "opt_specs = jax.tree.map(opt_spec, state_owners(opt_struct, cuts), opt_struct)",
+           "opt_specs = jax.tree.map(lambda i, x: P(), state_owners(opt_struct, cuts), opt_struct)",
+           ("tests/test_sharded_optax.py::test_masked_and_muon_under_jit_equal_one_device",)),
 ]
 
 

@@ -117,3 +117,15 @@ def test_masked_partitioned_and_muon_equal_one_device(name, layout):
     dims = jax.tree.leaves(step.layout.opt_dims)
     assert dims.count(1) >= 2 and all(not x.sharding.is_fully_replicated for x, d in zip(
         jax.tree.leaves(state.opt_state), dims) if d != -1)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("name", ["masked", "muon"])
+def test_masked_and_muon_under_jit_equal_one_device(name, layout):
+    """The global view lays optax.masked's and muon's state out by the state's paths (MaskedNode where
+    a param is not theirs): it trains as written, one device's step, the moments split."""
+    want = reference_run(mlp_loss, PARTITIONED[name](), mlp_params(), DATA)[0]
+    step, state = partitioned_run(name, 4, backend="jit", **LAYOUTS[layout])
+    for got, one in zip(*map(jax.tree.leaves, (jdp.get_params(state), want))):
+        np.testing.assert_allclose(got, one, atol=TOL, rtol=0)
+    assert any(not x.sharding.is_fully_replicated for x in jax.tree.leaves(state.opt_state))

@@ -174,28 +174,34 @@ class Cuts:
         return x if self.dims[i] == WHOLE else lax.all_gather(x, self.axis, axis=self.dims[i], tiled=True)
 
 
-def state_dims(opt_struct, cuts: Cuts):
-    """The split dimension of every optimizer state leaf: its param's (`cuts.dims`) where the leaf
-    is a copy of that param's shape at a path ending in the param's path (Adam's `.mu['l0']['w']`
-    for `['l0']['w']`, the longest such param), else WHOLE (step counts, adafactor's factored
-    moments, muon's coefficients).
+def state_owners(opt_struct, cuts: Cuts):
+    """For every optimizer state leaf, the index (into `cuts.leaves`) of the param it is a copy of:
+    the param of its shape at a path ending in the param's path (Adam's `.mu['l0']['w']` for
+    `['l0']['w']`, the longest such param), else -1 (step counts, adafactor's factored moments,
+    muon's coefficients).
 
     Read from the paths, not from `optax.tree_map_params`, whose params-shaped subtrees must match
     the params' whole structure: `optax.masked` and `optax.multi_transform` leave `optax.MaskedNode`
-    (no leaves) where a param is not theirs. The dimensions only place the state: `blockwise` runs
-    the update exactly for any of them.
+    (no leaves) where a param is not theirs.
     """
     paths = {tuple(path): i for i, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path(cuts.struct)[0])}
     lengths = sorted({len(p) for p in paths}, reverse=True)
 
-    def dim(path, x):
+    def owner(path, x):
         for n in lengths:
             i = paths.get(tuple(path[len(path) - n:])) if n <= len(path) else None
             if i is not None and x.shape == cuts.leaves[i].shape:
-                return cuts.dims[i]
-        return WHOLE
+                return i
+        return -1
 
-    return jax.tree_util.tree_map_with_path(dim, opt_struct)
+    return jax.tree_util.tree_map_with_path(owner, opt_struct)
+
+
+def state_dims(opt_struct, cuts: Cuts):
+    """The split dimension of every optimizer state leaf: its param's (`cuts.dims`, see
+    `state_owners`), else WHOLE. The dimensions only place the state: `blockwise` runs the update
+    exactly for any of them."""
+    return jax.tree.map(lambda i: WHOLE if i < 0 else cuts.dims[i], state_owners(opt_struct, cuts))
 
 
 def clip_by_global_norm(max_norm: float, axis: str = DATA_AXIS) -> optax.GradientTransformation:
