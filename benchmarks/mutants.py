@@ -172,8 +172,8 @@ MUTANTS = [
            "if after",  # a flattening that interleaves the blocks kept as blocks
            ("tests/test_blockwise.py", "-k", "gathered")),
     Mutant("opt_state_not_split", "core/zero.py",
-           "return cuts.dims[i]",
-           "return WHOLE",
+           "lambda i: WHOLE if i < 0 else cuts.dims[i]",
+           "lambda i: WHOLE",
            ("tests/test_zero.py::test_optimizer_state_bytes_per_device_are_one_nth",
             "tests/test_sharded_optax.py::test_masked_partitioned_and_muon_equal_one_device")),
     Mutant("fsdp_layers_reduced_once_for_the_model", "core/fsdp.py",
