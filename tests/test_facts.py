@@ -72,3 +72,37 @@ def test_a_change_of_train_steps_is_refused_only_where_the_schedule_uses_it(sche
             facts.compared_with(saved, "w")
     else:
         assert facts.compared_with(saved, "w")["identity"] == saved  # a constant schedule extends the run
+
+
+def _two_processes(monkeypatch, theirs: dict):
+    """`distributed.agree` as process 0 of 2, whose peer (process 1) passes `theirs`: each gather stacks
+    this process's array with the peer's same computation on its own facts."""
+    calls = []
+
+    def gather(values):
+        calls.append(values)
+        if len(calls) == 1:  # the digest of the facts
+            peer = distributed.hashlib.sha256(distributed.json.dumps(theirs, sort_keys=True).encode()).digest()
+            return np.stack([values, np.frombuffer(peer, np.uint8)])
+        blob = distributed.json.dumps(theirs, sort_keys=True).encode()
+        if values.dtype == np.int64:  # the longest blob's length
+            return np.stack([values, np.array([len(blob)], np.int64)])
+        peer = np.zeros(len(values), np.uint8)
+        peer[:len(blob)] = np.frombuffer(blob, np.uint8)
+        return np.stack([values, peer])
+
+    monkeypatch.setattr(distributed.jax, "process_count", lambda: 2)
+    monkeypatch.setattr(distributed, "_gather", gather)
+
+
+def test_processes_whose_data_digests_differ_are_refused_naming_both(monkeypatch):
+    # Two hosts' copies of train.bin of one size: the facts differ only in a digest of the same length
+    mine = {"train_examples": 4991, "the training data's digest (read from 'train.bin')": "b08afc2444de9c70"}
+    theirs = {**mine, "the training data's digest (read from 'train.bin')": "c5a028712627e0cb"}
+    _two_processes(monkeypatch, mine)
+    distributed.agree(mine)  # equal facts: nothing to say
+    _two_processes(monkeypatch, theirs)
+    with pytest.raises(ValueError, match=r"^the 2 processes disagree about the run \(the training data's digest \(read "
+                                         r"from 'train\.bin'\): process 0 'b08afc2444de9c70', process 1 "
+                                         r"'c5a028712627e0cb'\)"):
+        distributed.agree(mine)
