@@ -650,6 +650,59 @@ MUTANTS = [
            'print(f"jdp: error: {e}.", file=sys.stderr)',
            'print(f"jdp: error: {e}", file=sys.stderr)',  # the CLI's own part of a quoted line
            ("tests/test_docs.py::test_every_console_line_the_pages_quote_is_what_jdp_prints",)),
+    # test gaps (issue 39)
+    Mutant("mask_key_aux_over_padded_rows", "core/weighting.py",
+           "weighted_aux(aux, lambda a: Weighted(a * rows, weight)), weight",
+           "weighted_aux(aux, lambda a: Weighted(a * rows, jnp.float32(rows))), weight",  # aux's mean counts padding
+           ("tests/test_state_and_mask.py::test_a_plain_aux_under_mask_key_is_its_mean_over_the_real_rows",)),
+    Mutant("stacked_leaf_split_along_its_layer_axis", "core/zero.py",
+           "later = [i for i in dims if i > 0]",
+           "later = [i for i in dims if i >= 0]",  # (8 layers, 4) over 4 devices: each holds 2 whole layers
+           ("tests/test_zero.py::test_a_stacked_leaf_is_split_after_its_layer_axis_even_where_that_axis_is_the_largest",)),
+    Mutant("blockwise_transpose_inverted", "core/blockwise.py",
+           'list(eqn.params["permutation"]).index(ins[0].dim)',
+           'list(eqn.params["permutation"])[ins[0].dim]',  # right for a 2-D .T only, its own inverse
+           ("tests/test_blockwise.py::test_blockwise_equals_the_whole_function",)),
+    Mutant("token_short_read_accepted", "data/tokens.py",
+           "if all(len(chunk) == size for chunk in chunks):",
+           "if True:",  # a file truncated under the read gives a batch of fewer tokens
+           ("tests/test_data_sources.py::test_a_short_read_is_a_changed_token_file_not_a_batch_of_fewer_tokens",)),
+    Mutant("samples_per_s_clock_not_restarted", "run/records.py",
+           "self.step, self.time = step, now",
+           "self.step = step",  # every interval after the first counts from the first step's end
+           ("tests/test_observe.py::test_samples_per_s_counts_each_interval_from_the_end_of_the_one_before",)),
+    Mutant("token_id_vocab_size_passes_a_batch", "data/tokens.py",
+           "windows.max() >= self.vocab_size:",
+           "windows.max() > self.vocab_size:",  # the id vocab_size itself indexes past the embedding
+           ("tests/test_data_sources.py::test_the_id_equal_to_vocab_size_is_refused_when_the_file_opens_and_when_its_batch_is_read",)),
+    Mutant("token_id_vocab_size_passes_the_sample", "data/tokens.py",
+           "if chunk.max() >= self.vocab_size:",
+           "if chunk.max() > self.vocab_size:",
+           ("tests/test_data_sources.py::test_the_id_equal_to_vocab_size_is_refused_when_the_file_opens_and_when_its_batch_is_read",)),
+    Mutant("hybrid_layers_blocks_not_summed_across_groups", "core/fsdp.py",
+           "split = iter(self.cuts.across_replicas([x.value for x in leaves if is_split(x)]))",
+           "split = iter([x.value for x in leaves if is_split(x)])",  # each group steps on its half of the batch
+           ("tests/test_hybrid.py::test_per_layer_gathering_in_replica_groups_sums_the_blocks_across_the_groups",)),
+    Mutant("agreement_compares_the_names_of_the_facts", "run/distributed.py",
+           "blob = json.dumps(facts, sort_keys=True).encode()",
+           "blob = json.dumps(sorted(facts)).encode()",  # two hosts' train.bin of one size agree
+           ("tests/test_facts.py::test_processes_whose_data_digests_differ_are_refused_naming_both",)),
+    Mutant("wheel_taken_for_a_checkout", "extras.py",
+           'return root if os.path.isfile(os.path.join(root, "pyproject.toml")) else None',
+           "return root",  # an installed wheel's hint: pip install -e '.../site-packages[plot]'
+           ("tests/test_papercuts.py::test_the_install_hint_names_the_wheel_where_no_pyproject_lies_beside_the_package",)),
+    Mutant("profile_starts_after_the_first_step", "run/profile.py",
+           "if self.steps is None or not self.steps[0] <= s <= self.steps[1]:",
+           "if self.steps is None or not self.steps[0] < s <= self.steps[1]:",  # --profile-steps 3:5 traces 4..5
+           ("tests/test_observe.py::test_the_profile_traces_first_to_last_inclusive",)),
+    Mutant("wandb_run_id_not_the_config_hash", "run/trackers.py",
+           "id=config_hash[:16],",
+           "id=None,",  # a resumed run syncs into a new W&B run
+           ("tests/test_observe.py::test_the_wandb_run_is_offline_and_named_by_the_config_hash",)),
+    Mutant("config_name_keeps_its_yaml_suffix", "run/shipped.py",
+           'name = name[:-len(".yaml")] if name.endswith(".yaml") else name',
+           "name = name",  # `jdp train char_gpt.yaml` outside a checkout: "neither a file nor a shipped config"
+           ("tests/test_shipped.py::test_a_config_is_found_by_name_and_a_file_of_that_path_wins",)),
 ]
 
 

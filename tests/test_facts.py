@@ -74,35 +74,44 @@ def test_a_change_of_train_steps_is_refused_only_where_the_schedule_uses_it(sche
         assert facts.compared_with(saved, "w")["identity"] == saved  # a constant schedule extends the run
 
 
-def _two_processes(monkeypatch, theirs: dict):
-    """`distributed.agree` as process 0 of 2, whose peer (process 1) passes `theirs`: each gather stacks
-    this process's array with the peer's same computation on its own facts."""
-    calls = []
+def _agree_as_two_processes(monkeypatch, *facts):
+    """`distributed.agree(facts[i])` run as process i of 2, each in its own thread, their gathers exchanged
+    in memory: each returns every process's array, stacked in process order. What each raised (or None)."""
+    import threading
+
+    barrier, slots, who = threading.Barrier(2, timeout=300), {}, threading.local()  # a hang guard only
 
     def gather(values):
-        calls.append(values)
-        if len(calls) == 1:  # the digest of the facts
-            peer = distributed.hashlib.sha256(distributed.json.dumps(theirs, sort_keys=True).encode()).digest()
-            return np.stack([values, np.frombuffer(peer, np.uint8)])
-        blob = distributed.json.dumps(theirs, sort_keys=True).encode()
-        if values.dtype == np.int64:  # the longest blob's length
-            return np.stack([values, np.array([len(blob)], np.int64)])
-        peer = np.zeros(len(values), np.uint8)
-        peer[:len(blob)] = np.frombuffer(blob, np.uint8)
-        return np.stack([values, peer])
+        slots[who.i] = np.asarray(values)
+        barrier.wait()
+        out = np.stack([slots[0], slots[1]])
+        barrier.wait()
+        return out
+
+    def process(i):
+        who.i = i
+        try:
+            distributed.agree(facts[i])
+        except ValueError as e:
+            raised[i] = e
 
     monkeypatch.setattr(distributed.jax, "process_count", lambda: 2)
     monkeypatch.setattr(distributed, "_gather", gather)
+    raised = [None, None]
+    threads = [threading.Thread(target=process, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return raised
 
 
 def test_processes_whose_data_digests_differ_are_refused_naming_both(monkeypatch):
-    # Two hosts' copies of train.bin of one size: the facts differ only in a digest of the same length
-    mine = {"train_examples": 4991, "the training data's digest (read from 'train.bin')": "b08afc2444de9c70"}
-    theirs = {**mine, "the training data's digest (read from 'train.bin')": "c5a028712627e0cb"}
-    _two_processes(monkeypatch, mine)
-    distributed.agree(mine)  # equal facts: nothing to say
-    _two_processes(monkeypatch, theirs)
-    with pytest.raises(ValueError, match=r"^the 2 processes disagree about the run \(the training data's digest \(read "
-                                         r"from 'train\.bin'\): process 0 'b08afc2444de9c70', process 1 "
-                                         r"'c5a028712627e0cb'\)"):
-        distributed.agree(mine)
+    # Two hosts' copies of train.bin of one size: their facts differ only in a digest of the same length
+    key = "the training data's digest (read from 'train.bin')"
+    mine, theirs = {"train_examples": 4991, key: "b08afc2444de9c70"}, {"train_examples": 4991, key: "c5a028712627e0cb"}
+    assert _agree_as_two_processes(monkeypatch, mine, dict(mine)) == [None, None]  # equal facts: nothing to say
+    raised = _agree_as_two_processes(monkeypatch, mine, theirs)
+    assert [str(e) for e in raised] == [
+        f"the 2 processes disagree about the run ({key}: process 0 'b08afc2444de9c70', process 1 "
+        "'c5a028712627e0cb'); start them all with the same config and data."] * 2
