@@ -156,13 +156,19 @@ def _peak(compiled) -> int:
 
 
 def collectives(hlo: str) -> dict:
-    """{kind: {"count", "bytes"}} of the compiled step's all-gathers, reduce-scatters and all-reduces
-    (`jdp.inspect.comm.parse_collectives`: each op's full payload, once per op in the program text)."""
+    """{kind: {"count", "bytes"}} of the compiled step's all-gathers, reduce-scatters and all-reduces, per step
+    (`jdp.inspect.comm.parse_collectives`: each op's full payload; an op in a while loop's body (the
+    scanned layers) counted once per trip, XLA's `known_trip_count`)."""
+    import re
+
     from jdp.inspect.comm import parse_collectives
 
+    trips = {body: int(n) for body, n in re.findall(r"while\(.*?body=%?([\w.\-]+).*?known_trip_count\":\{\"n\":\"(\d+)",
+                                                     hlo)}
     found = parse_collectives(hlo)
-    return {k: {"count": sum(1 for c in found if c["kind"] == k),
-                "bytes": sum(c["bytes"] for c in found if c["kind"] == k)} for k in COLLECTIVES}
+    return {k: {"count": sum(trips.get(c["computation"], 1) for c in found if c["kind"] == k),
+                "bytes": sum(c["bytes"] * trips.get(c["computation"], 1) for c in found if c["kind"] == k)}
+            for k in COLLECTIVES}
 
 
 def _jdp_compiled(graphdef, rest, params, layout: str, g: dict):
@@ -296,8 +302,8 @@ def markdown(rows: list[dict], fit: dict, times: dict | None) -> str:
             + ", ".join(f"{fit['fsdp_layers']['slope'] / fit[p]['slope']:.3f} ({ROW_NAMES[p]})"
                         for p in PARTITIONERS) + "."]
     small = rows[0]
-    out += ["", f"Collectives in the compiled step of the {small['size']} GPT, count and MB (each op's full payload, "
-            "once per op in the program text: an op inside the scan runs once per layer):", "",
+    out += ["", f"Collectives per step of the {small['size']} GPT's compiled step, count and MB (each op's full "
+            "payload; those inside the scanned layers' loops once per layer):", "",
             "| layout | " + " | ".join(COLLECTIVES) + " |", "|---|" + "---|" * len(COLLECTIVES)]
     for name, kinds in small["collectives"].items():
         out.append(f"| {ROW_NAMES.get(name, name)} | "
