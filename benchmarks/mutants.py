@@ -190,7 +190,8 @@ MUTANTS = [
     Mutant("fsdp_layers_bf16_gradient_reduced_in_bf16", "core/split.py",
            "lax.psum_scatter(g.astype(like.dtype), axis, scatter_dimension=dim, tiled=True)",
            "lax.psum_scatter(g, axis, scatter_dimension=dim, tiled=True).astype(like.dtype)",
-           ("tests/test_fsdp_layers.py::test_per_layer_gathering_equals_one_device[bf16]",)),
+           ("tests/test_fsdp_layers.py::test_a_layer_gathered_in_bf16_reduce_scatters_its_gradient_in_float32",
+            "tests/test_fsdp_layers.py::test_per_layer_gathering_equals_one_device[bf16]")),
     Mutant("fsdp_params_left_replicated", "core/step.py",
            "self.layout = (FullyShardedLayout(self.mesh, accum, self.optimizer, o.precision, o.gather_in_model)",
            "self.layout = (ShardedStateLayout(self.mesh, accum, self.optimizer)",  # ZeRO-1
@@ -584,7 +585,8 @@ MUTANTS = [
     Mutant("compile_time_in_samples_per_s", "run/records.py",
            "seconds, self.step, self.time = now - self.time, self.step + 1, now",
            "seconds = now - self.time",  # the first interval's rate counts compilation again
-           ("tests/test_observe.py::test_the_first_step_is_timed_once_and_left_out_of_samples_per_s",)),
+           ("tests/test_observe.py::test_samples_per_s_counts_each_interval_from_the_end_of_the_one_before",
+            "tests/test_observe.py::test_the_first_step_is_timed_once_and_left_out_of_samples_per_s")),
     Mutant("step_lines_hidden_under_the_bar", "run/metrics.py",
            "            self.log(f\"step {s:6d}  loss ",
            "            self._progress or self.log(f\"step {s:6d}  loss ",  # the bar hides every step line
@@ -592,7 +594,8 @@ MUTANTS = [
     Mutant("profile_misses_the_last_step", "run/profile.py",
            "if self.tracing and s == self.steps[1]:",
            "if self.tracing and s == self.steps[1] - 1:",  # the trace stops before the last step asked for
-           ("tests/test_observe.py::test_profile_steps_writes_a_trace_of_those_steps_into_the_workdir",)),
+           ("tests/test_observe.py::test_the_profile_traces_first_to_last_inclusive",
+            "tests/test_observe.py::test_profile_steps_writes_a_trace_of_those_steps_into_the_workdir")),
     Mutant("wandb_gets_no_records", "run/metrics.py",
            "            self._tracker.write(record)\n",
            "            pass\n",
