@@ -198,7 +198,13 @@ def memory(size: str) -> dict:
     out = {"size": size, "model": g, "params": count, "peak": {}, "collectives": {},
            "jit": "available" if jit_layout() else "not available: jdp has no backend \"jit\""}
     for layout in jdp_layouts():
-        compiled = _jdp_compiled(graphdef, rest, params, layout, g)
+        try:
+            compiled = _jdp_compiled(graphdef, rest, params, layout, g)
+        except Exception as e:  # noqa: BLE001 - a new backend's failure is a row of the table, not the end of it
+            if layout != "jit":
+                raise
+            out["jit"] = f"failed: {type(e).__name__}: {e}"[:300]
+            continue
         out["peak"][layout] = _peak(compiled)
         if layout in ("fsdp_layers", "jit"):
             out["collectives"][layout] = collectives(compiled.as_text())
@@ -230,10 +236,17 @@ def step_times(size: str = "2M", rounds: int = 5, steps: int = 3) -> dict:
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     host = _batch(g, N, False)
     runners = {}
+    failed = {}
     for layout in ("replicated", "fsdp_layers") + (("jit",) if jit_layout() else ()):
-        step = jdp_step(graphdef, rest, layout)
-        box = {"state": step.init(params)}
-        placed = step.shard_batch(host)
+        try:
+            step = jdp_step(graphdef, rest, layout)
+            box = {"state": step.init(params)}
+            placed = step.shard_batch(host)
+        except Exception as e:  # noqa: BLE001 - as in memory(): the jit row says why it has no time
+            if layout != "jit":
+                raise
+            failed[layout] = f"failed: {type(e).__name__}: {e}"[:300]
+            continue
 
         def run(k, step=step, box=box, placed=placed):
             t0 = time.perf_counter()
@@ -258,7 +271,8 @@ def step_times(size: str = "2M", rounds: int = 5, steps: int = 3) -> dict:
         run_partitioner(1)
         runners[name] = run_partitioner
     times = interleave(runners, steps, rounds, log=lambda *_: None)
-    out = {"rounds": rounds, "steps": steps, "median_s": {k: sorted(v)[len(v) // 2] for k, v in times.items()}}
+    out = {"rounds": rounds, "steps": steps, "median_s": {k: sorted(v)[len(v) // 2] for k, v in times.items()},
+           "failed": failed}
     for num, den in (("fsdp_layers", "partitioner"), ("fsdp_layers", "partitioner_unpinned"),
                      ("fsdp_layers", "replicated"), ("jit", "fsdp_layers"), ("jit", "partitioner")):
         if num in times and den in times:
@@ -297,7 +311,8 @@ def markdown(rows: list[dict], fit: dict, times: dict | None) -> str:
         out.append(f"| {ROW_NAMES.get(name, name)} | " + " | ".join(f"{r['peak'][name] / 1e6:.1f}" for r in rows)
                    + f" | {f['slope']:.2f} | {f['fits_16GB'] / 1e9:.2f} B | {f['fits_80GB'] / 1e9:.1f} B |")
     if "jit" not in names:
-        out.append(f"| {ROW_NAMES['jit']} | " + " | ".join("not available" for _ in rows) + " | | | |")
+        out.append(f"| {ROW_NAMES['jit']} | " + " | ".join(str(r.get("jit", "not available")) for r in rows)
+                   + " | | | |")
     out += ["", "FSDP per layer / the partitioner's FSDP, slope: "
             + ", ".join(f"{fit['fsdp_layers']['slope'] / fit[p]['slope']:.3f} ({ROW_NAMES[p]})"
                         for p in PARTITIONERS) + "."]
@@ -313,6 +328,7 @@ def markdown(rows: list[dict], fit: dict, times: dict | None) -> str:
         out += ["", f"Step time, the {small['size']} GPT, {times['rounds']} interleaved rounds of {times['steps']} "
                 "steps in one process: " + ", ".join(f"{k.replace('_over_', ' / ')} {times[k]:.3f}" for k in ratios)
                 + " (medians " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in times["median_s"].items()) + ")."]
+        out += [f"{ROW_NAMES.get(k, k)}: no step time, {why}" for k, why in times.get("failed", {}).items()]
     return "\n".join(out) + "\n"
 
 
