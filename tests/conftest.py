@@ -221,6 +221,18 @@ QUICK = (
     "test_audit.py::test_a_loss_divided_by_each_devices_own_count_is_refused_in_one_sentence[shard_map]",
     "test_audit.py::test_batch_statistics_and_dropout_pass_as_a_mean_and_are_refused_as_an_own_count",
     "test_audit.py::test_weighted_losses_and_mask_key_are_not_audited_and_run",
+    # Test gaps: each catches a one-line bug that only slower tests (or none) saw.
+    "test_state_and_mask.py::test_a_plain_aux_under_mask_key_is_its_mean_over_the_real_rows",
+    "test_zero.py::test_a_stacked_leaf_is_split_after_its_layer_axis_even_where_that_axis_is_the_largest",
+    "test_data_sources.py::test_the_id_equal_to_vocab_size_is_refused_when_the_file_opens_and_when_its_batch_is_read",
+    "test_data_sources.py::test_a_short_read_is_a_changed_token_file_not_a_batch_of_fewer_tokens",
+    "test_observe.py::test_samples_per_s_counts_each_interval_from_the_end_of_the_one_before",
+    "test_observe.py::test_the_profile_traces_first_to_last_inclusive",
+    "test_observe.py::test_the_wandb_run_is_offline_and_named_by_the_config_hash",
+    "test_fsdp_layers.py::test_a_layer_gathered_in_bf16_reduce_scatters_its_gradient_in_float32",
+    "test_hybrid.py::test_per_layer_gathering_in_replica_groups_sums_the_blocks_across_the_groups",
+    "test_papercuts.py::test_the_install_hint_names_the_wheel_where_no_pyproject_lies_beside_the_package",
+    "test_shipped.py::test_a_config_is_found_by_name_and_a_file_of_that_path_wins",
 )
 
 

@@ -5,6 +5,7 @@ import json
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -251,3 +252,24 @@ def test_jdp_train_scanned_gpt_whose_layer_count_alone_divides_the_devices(tmp_p
                          "dimension of theirs divides by 3: ['head']['kernel'] 6,592 B, ['tok_embed']['embedding'] "
                          "6,592 B, ['pos_embed']['embedding'] 4,096 B and 2 more"), said
     assert len(losses) == 2 and all(np.isfinite(losses))
+
+
+def test_a_layer_gathered_in_bf16_reduce_scatters_its_gradient_in_float32():
+    # The gather's transpose under bf16 compute, alone (the cheap form of the [bf16] test above): each of
+    # 4 devices sends a bf16 gradient of ones (device 0) or 2^-8 (the others) for the whole leaf; summed
+    # in float32 each block's gradient is 1 + 3·2^-8 exactly, which bf16 cannot hold (its spacing at 1 is 2^-7).
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    from jdp.fsdp import Split
+
+    mesh = Mesh(np.array(jax.devices()[:4]), ("data",))
+    weights = np.full((4, 8), 2.0 ** -8, np.float32)
+    weights[0] = 1.0
+
+    def device_grad(block, w):  # block (2,) of a float32 leaf (8,), w (1, 8): this device's weights
+        return jax.grad(lambda b: jnp.sum(Split(b, -1, "data", "bfloat16").whole().astype(jnp.float32) * w[0]))(block)
+
+    grad = jax.jit(jax.shard_map(device_grad, mesh=mesh, in_specs=(P("data"), P("data")), out_specs=P("data"),
+                                 check_vma=False))(np.zeros(8, np.float32), weights)
+    assert grad.dtype == np.float32
+    np.testing.assert_array_equal(grad, np.full(8, 1 + 3 * 2.0 ** -8, np.float32))
