@@ -1,7 +1,8 @@
 """Flax NNX models, and the bridge from an `nnx.Module` to jdp's `(params, loss_fn)` form.
 
 Models: `MLP`, `CNN` (BatchNorm; `sync_batchnorm=True` for global-batch statistics under
-shard_map/pmap), `GPT` (dropout keys passed at call time; `attention="fused"`, `remat=True`).
+shard_map/pmap), `GPT` (dropout keys passed at call time; `attention="fused"`, `remat=True`;
+nanoGPT's architecture through its options, and its weights through `gpt_from_nanogpt`).
 Each takes `dtype=`, the compute dtype (`jdp.models.dtypes.compute_dtype`: None/float32 or
 bfloat16): params float32, compute in `dtype`, logits float32.
 
@@ -30,6 +31,7 @@ from flax import nnx
 from jdp.models.cnn import CNN
 from jdp.models.gpt import GPT
 from jdp.models.mlp import MLP
+from jdp.models.nanogpt import gpt_from_nanogpt
 from jdp.models.nnx_bridge import FunctionalModel, apply_with_state, functional
 
 
@@ -38,4 +40,4 @@ def param_count(model: nnx.Module) -> int:
     return sum(int(x.size) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
-__all__ = ["CNN", "GPT", "MLP", "FunctionalModel", "apply_with_state", "functional", "param_count"]
+__all__ = ["CNN", "GPT", "MLP", "FunctionalModel", "apply_with_state", "functional", "gpt_from_nanogpt", "param_count"]
