@@ -11,8 +11,8 @@ the kernels and embeddings, since nnx keeps q/k/v biases as (heads, head_dim)). 
 
   python -m benchmarks.nanogpt [--threads K] [--rounds R] [--steps S]
 
-pins both frameworks to K CPU cores (the process's CPU affinity, set before jax starts its thread
-pool, which XLA sizes from the affinity; `torch.set_num_threads(K)`), compares the losses of the
+pins both frameworks to the same K CPU cores (the process's CPU affinity, which binds every thread of
+both, set before jax starts its thread pool; `torch.set_num_threads(K)`), compares the losses of the
 first 20 steps, then times R interleaved windows of S steps each and writes
 benchmarks/results/nanogpt.md.
 """
@@ -140,8 +140,8 @@ def losses_side_by_side(config: dict, steps: int = 20, bias: bool = True, seed: 
 
 
 def pin_threads(k: int) -> list[int]:
-    """Run this process on its first `k` allowed CPUs (XLA sizes its CPU thread pool from the affinity when
-    jax's backend starts, so call this before any jax computation) and give torch `k` threads."""
+    """Run this process, every thread of torch and XLA, on its first `k` allowed CPUs, and give torch `k`
+    threads. Call it before any jax computation: XLA sizes its CPU thread pool when its backend starts."""
     import torch
 
     cpus = sorted(os.sched_getaffinity(0))[:k]

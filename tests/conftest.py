@@ -176,6 +176,8 @@ QUICK = (
     "test_faults_api.py::test_a_nonfinite_model_state_is_never_saved",
     # `jdp train CONFIG --steps N` shorter than the config's warmup: scaled, said in one line, resumable.
     "test_feedback.py::test_steps_shorter_than_the_warmup_run_with_its_fraction_and_resume_as_they_ran",
+    # The GPT's nanoGPT options and weight mapping, torch-free (the parity with nanoGPT needs torch: full tier).
+    "test_gpt_options.py",
 )
 
 

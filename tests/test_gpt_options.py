@@ -21,7 +21,7 @@ def leaf_names(model):
 
 def test_the_architecture_options_do_what_they_say():
     """tie_embeddings: no head, the logits are ln_f(x) @ tok_embed.embedding.T (an untied GPT made from the
-    same seed, its head set to that matrix, gives the same logits); bias=False: no bias anywhere;
+    same seed, its head set to that matrix, gives the same logits; scanned too); bias=False: no bias anywhere;
     ln_epsilon: every LayerNorm's; gelu_approximate=False: each block's MLP is exact erf GELU, which
     differs from the default tanh form."""
     x = tokens()
@@ -30,6 +30,10 @@ def test_the_architecture_options_do_what_they_say():
     assert not hasattr(tied, "head") and param_count(untied) - param_count(tied) == V * D
     untied.head.kernel[...] = tied.tok_embed.embedding[...].T
     np.testing.assert_allclose(tied(x, train=False), untied(x, train=False), atol=1e-6)
+    scanned = GPT(V, T, D, H, L, dropout=0.0, tie_embeddings=True, scan_layers=True, rngs=nnx.Rngs(0))
+    np.testing.assert_allclose(scanned(x, train=False), tied(x, train=False), atol=1e-6)
+    with pytest.raises(ValueError, match="ln_epsilon=0.0 must be positive"):
+        GPT(V, T, D, H, L, ln_epsilon=0.0, rngs=nnx.Rngs(0))
 
     plain = GPT(V, T, D, H, L, dropout=0.0, bias=False, ln_epsilon=1e-5, rngs=nnx.Rngs(0))
     assert "bias" not in leaf_names(plain) and "bias" in leaf_names(untied)
