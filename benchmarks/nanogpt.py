@@ -7,7 +7,8 @@ stream, as nanoGPT's `get_batch` cuts them) and train with nanoGPT's train.py re
 without dropout: gradient clipping at norm 1.0, then AdamW with betas (0.9, 0.95), eps 1e-8 and weight
 decay on the matrices only (nanoGPT's `configure_optimizers`: every param with dim >= 2; in jdp
 the kernels and embeddings, since nnx keeps q/k/v biases as (heads, head_dim)). jdp's side is
-`jdp.nnx.make_train_step` on one device.
+`jdp.nnx.make_train_step` on one device; a hand-written `jax.jit` step of the same model and
+optimizer runs too, to tell XLA's cost from jdp's own.
 
   python -m benchmarks.nanogpt [--threads K] [--rounds R] [--steps S]
 
@@ -122,8 +123,41 @@ def jdp_step(state_dict, n_heads: int, lr: float, weight_decay: float, betas, cl
     return step, model
 
 
-def losses_side_by_side(config: dict, steps: int = 20, bias: bool = True, seed: int = 0) -> dict:
-    """Both sides from the same initialisation over the same `steps` batches: their initial logits and losses."""
+def jax_step(state_dict, n_heads: int, lr: float, weight_decay: float, betas, clip: float):
+    """The same model and optimizer in a hand-written `jax.jit` step (no jdp): `step(x, y) -> loss`. It tells
+    XLA's cost from jdp's own."""
+    import jax
+    import optax
+    from flax import nnx
+
+    from jdp.models import gpt_from_nanogpt
+
+    graphdef, params = nnx.split(gpt_from_nanogpt(state_dict, n_heads), nnx.Param)
+    tx = optax.chain(optax.clip_by_global_norm(clip),
+                     optax.adamw(lr, b1=betas[0], b2=betas[1], eps=1e-8, weight_decay=weight_decay, mask=decay_mask))
+
+    def loss_fn(p, x, y):
+        return optax.softmax_cross_entropy_with_integer_labels(nnx.merge(graphdef, p)(x), y).mean()
+
+    @jax.jit
+    def update(p, opt, x, y):
+        loss, grads = jax.value_and_grad(loss_fn)(p, x, y)
+        updates, opt = tx.update(grads, opt, p)
+        return optax.apply_updates(p, updates), opt, loss
+
+    holder = {"state": (params, tx.init(params))}
+
+    def step(x, y):
+        p, opt, loss = update(*holder["state"], x.astype(np.int32), y.astype(np.int32))
+        holder["state"] = (p, opt)
+        return float(loss)
+
+    return step
+
+
+def losses_side_by_side(config: dict, steps: int = 20, bias: bool = True, seed: int = 0, with_jax: bool = False) -> dict:
+    """Both sides (and with_jax, the hand-written jax step) from the same initialisation over the same `steps`
+    batches: their initial logits and losses, and the step functions, which go on training."""
     import torch
 
     g = {k: config[k] for k in ("vocab", "context", "d_model", "n_heads", "n_layers")}
@@ -133,10 +167,14 @@ def losses_side_by_side(config: dict, steps: int = 20, bias: bool = True, seed: 
     with torch.no_grad():
         peer_logits = peer(torch.from_numpy(data[0][0]), torch.from_numpy(data[0][1]))[0].numpy()
     jdp_logits = np.asarray(model(data[0][0].astype(np.int32), train=False))
+    plain = jax_step(peer.state_dict(), config["n_heads"], **RECIPE) if with_jax else None
     theirs = peer_step(peer, **RECIPE)
-    return {"peer_logits": peer_logits, "jdp_logits": jdp_logits,
-            "peer_losses": [theirs(x, y) for x, y in data], "jdp_losses": [ours(x, y) for x, y in data],
-            "peer": theirs, "jdp": ours}
+    out = {"peer_logits": peer_logits, "jdp_logits": jdp_logits,
+           "peer_losses": [theirs(x, y) for x, y in data], "jdp_losses": [ours(x, y) for x, y in data],
+           "peer": theirs, "jdp": ours, "jax": plain}
+    if with_jax:
+        out["jax_losses"] = [plain(x, y) for x, y in data]
+    return out
 
 
 def pin_threads(k: int) -> list[int]:
@@ -175,16 +213,18 @@ def main(argv=None) -> dict:
 
     load_before = os.getloadavg()
     t0 = time.perf_counter()
-    side = losses_side_by_side(BENCH)
+    side = losses_side_by_side(BENCH, with_jax=True)
     diff = np.abs(np.subtract(side["peer_losses"], side["jdp_losses"]))
+    jax_diff = np.abs(np.subtract(side["peer_losses"], side["jax_losses"]))
     logits_diff = float(np.abs(side["peer_logits"] - side["jdp_logits"]).max())
     batches = token_batches(8, BENCH["batch"], BENCH["context"], BENCH["vocab"], seed=1)
-    runs = {"nanoGPT": _window(side["peer"], batches), "jdp": _window(side["jdp"], batches)}
+    runs = {name: _window(side[key], batches) for name, key in (("nanoGPT", "peer"), ("jdp", "jdp"), ("jax", "jax"))}
     for run in runs.values():
         run(2)  # warm: jdp's step is compiled already, torch's allocator settles
     times = {name: [] for name in runs}
+    order = np.random.default_rng(0)
     for r in range(args.rounds):
-        for name in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
+        for name in order.permutation(list(runs)):
             times[name].append(runs[name](args.steps) / args.steps)
         print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{n} {times[n][-1] * 1e3:.1f} ms" for n in runs),
               flush=True)
@@ -193,7 +233,9 @@ def main(argv=None) -> dict:
         "config": BENCH, "recipe": {**RECIPE, "betas": list(RECIPE["betas"])}, "threads": args.threads, "cpus": cpus,
         "rounds": args.rounds, "steps_per_window": args.steps,
         "max_loss_diff_20_steps": float(diff.max()), "max_initial_logits_diff": logits_diff,
-        "peer_losses": side["peer_losses"], "jdp_losses": side["jdp_losses"],
+        "max_loss_diff_20_steps_jax": float(jax_diff.max()),
+        "ratio_jax_over_jdp": paired_ratio(times["jax"], times["jdp"]),
+        "peer_losses": side["peer_losses"], "jdp_losses": side["jdp_losses"], "jax_losses": side["jax_losses"],
         "median_step_ms": {n: median(t) * 1e3 for n, t in times.items()},
         "ratio_nanogpt_over_jdp": paired_ratio(times["nanoGPT"], times["jdp"]), "ratio_q1": spread["q1"],
         "ratio_q3": spread["q3"], "load_before": load_before, "load_after": os.getloadavg(),
@@ -216,15 +258,18 @@ def table(r: dict) -> str:
             f"GPT {c['n_layers']} layers, d_model {c['d_model']}, {c['n_heads']} heads, context {c['context']}, "
             f"vocab {c['vocab']}, batch {c['batch']}, float32, {r['threads']} thread(s) on CPU {r['cpus']}; "
             f"load average {r['load_before'][0]:.1f} before, {r['load_after'][0]:.1f} after.\n\n"
-            "| | nanoGPT (PyTorch) | jdp |\n|---|---|---|\n"
+            "| | nanoGPT (PyTorch) | jdp (`jdp.nnx.make_train_step`, 1 device) | hand-written `jax.jit` step |\n"
+            "|---|---|---|---|\n"
             f"| median step time (ms), {r['rounds']} interleaved windows of {r['steps_per_window']} steps "
-            f"| {ms['nanoGPT']:.1f} | {ms['jdp']:.1f} |\n"
-            f"| nanoGPT / jdp step time (median of per-window ratios, q1–q3) | "
-            f"{r['ratio_nanogpt_over_jdp']:.2f} ({r['ratio_q1']:.2f}–{r['ratio_q3']:.2f}) | |\n"
+            f"| {ms['nanoGPT']:.1f} | {ms['jdp']:.1f} | {ms['jax']:.1f} |\n"
+            f"| step time / jdp's (median of per-round ratios) | {r['ratio_nanogpt_over_jdp']:.2f} "
+            f"(q1–q3 {r['ratio_q1']:.2f}–{r['ratio_q3']:.2f}) | 1 | {r['ratio_jax_over_jdp']:.2f} |\n"
             f"| loss at step 1 / step 20 | {r['peer_losses'][0]:.5f} / {r['peer_losses'][19]:.5f} "
-            f"| {r['jdp_losses'][0]:.5f} / {r['jdp_losses'][19]:.5f} |\n"
-            f"| largest loss difference over 20 AdamW steps | {r['max_loss_diff_20_steps']:.1e} | |\n"
-            f"| largest initial logit difference | {r['max_initial_logits_diff']:.1e} | |\n")
+            f"| {r['jdp_losses'][0]:.5f} / {r['jdp_losses'][19]:.5f} "
+            f"| {r['jax_losses'][0]:.5f} / {r['jax_losses'][19]:.5f} |\n"
+            f"| largest loss difference from nanoGPT's over 20 AdamW steps | — | {r['max_loss_diff_20_steps']:.1e} "
+            f"| {r['max_loss_diff_20_steps_jax']:.1e} |\n"
+            f"| largest initial logit difference from nanoGPT's | — | {r['max_initial_logits_diff']:.1e} | |\n")
 
 
 if __name__ == "__main__":

@@ -73,8 +73,8 @@ def nanogpt_state_dict(bias=True, tied=True, seed=0):
 def test_gpt_from_nanogpt_puts_each_matrix_where_nanogpt_uses_it(bias):
     """c_attn's rows are q | k | v, each head-major (nanoGPT's .split(n_embd).view(B, T, heads, head_dim)):
     each of jdp's projections of an input equals x @ W.T + b with nanoGPT's slice; c_proj, c_fc and the
-    MLP's c_proj likewise; the tied head is the embedding, an untied one lm_head; a bad state dict is
-    refused in one sentence."""
+    MLP's c_proj likewise; the model holds copies, not views of the state dict's memory; the tied head is
+    the embedding, an untied one lm_head; a bad state dict is refused in one sentence."""
     sd = nanogpt_state_dict(bias)
     model = gpt_from_nanogpt(sd, H)
     x = np.random.default_rng(1).normal(size=(3, D)).astype(np.float32)
@@ -89,6 +89,9 @@ def test_gpt_from_nanogpt_puts_each_matrix_where_nanogpt_uses_it(bias):
         wide = np.random.default_rng(2).normal(size=(3, 4 * D)).astype(np.float32)
         np.testing.assert_allclose(block.proj(wide), lin(p + "mlp.c_proj", wide), atol=1e-5)
         np.testing.assert_array_equal(block.ln1.scale[...], sd[p + "ln_1.weight"])
+    embedding = np.array(model.tok_embed.embedding[...])
+    sd["transformer.wte.weight"][...] = 0.0  # as torch's optimizer changes its tensors in place
+    np.testing.assert_array_equal(model.tok_embed.embedding[...], embedding)  # the model holds copies
     assert model.tie_embeddings and not hasattr(model, "head") and ("bias" in leaf_names(model)) == bias
     assert model.blocks[0].ln1.epsilon == 1e-5 and not model.blocks[0].gelu_approximate
     untied = gpt_from_nanogpt(nanogpt_state_dict(bias, tied=False), H)

@@ -19,10 +19,12 @@ from jdp.models.gpt import GPT
 
 
 def _array(value) -> np.ndarray:
-    """A torch tensor (on any device) or array-like → float32 numpy, without importing torch."""
+    """A torch tensor (on any device) or array-like → a float32 numpy copy, without importing torch.
+
+    A copy: `tensor.numpy()` shares the tensor's memory, which torch's optimizer updates in place."""
     if hasattr(value, "detach"):
         value = value.detach().cpu().float().numpy()
-    return np.asarray(value, dtype=np.float32)
+    return np.array(value, dtype=np.float32)
 
 
 def _n_layers(names) -> int:
