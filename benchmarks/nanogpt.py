@@ -15,7 +15,7 @@ optimizer runs too, to tell XLA's cost from jdp's own.
 pins both frameworks to the same K CPU cores (the process's CPU affinity, which binds every thread of
 both, set before jax starts its thread pool; `torch.set_num_threads(K)`), compares the losses of the
 first 20 steps, then times R interleaved windows of S steps each and writes
-benchmarks/results/nanogpt.md.
+benchmarks/results/nanogpt.md (nanogpt_threads{K}.md for K > 1).
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ import numpy as np
 
 from benchmarks.common import ROOT, median, paired_ratio, ratio_spread
 
-RESULTS = os.path.join(ROOT, "benchmarks", "results", "nanogpt.md")
+RESULTS = os.path.join(ROOT, "benchmarks", "results", "nanogpt{}.md")  # "" for one thread, else "_threads{K}"
 # nanoGPT's shakespeare_char "baby GPT" (6 layers, 384 wide, 256 context, batch 64) scaled down to
 # time in minutes on a 2-core CPU.
 BENCH = dict(vocab=65, context=64, d_model=128, n_heads=4, n_layers=4, batch=12)
@@ -242,8 +242,9 @@ def main(argv=None) -> dict:
         "seconds": time.perf_counter() - t0, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "versions": {"jax": jax.__version__, "torch": torch.__version__, "python": platform.python_version()},
     }
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    with open(RESULTS, "w", encoding="utf-8") as f:
+    path = RESULTS.format("" if args.threads == 1 else f"_threads{args.threads}")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
         f.write(table(result))
     print(table(result))
     print("RESULT " + json.dumps({k: v for k, v in result.items() if not k.endswith("_losses")}))
