@@ -991,6 +991,35 @@ MUTANTS = [
            'name = name[:-len(".yaml")] if name.endswith(".yaml") else name',
            "name = name",  # `jdp train char_gpt.yaml` outside a checkout: "neither a file nor a shipped config"
            ("tests/test_shipped.py::test_a_config_is_found_by_name_and_a_file_of_that_path_wins",)),
+    # The GPT's architecture options and nanoGPT's weights in it (tests/test_nanogpt_parity.py needs torch).
+    Mutant("gpt_tied_head_still_made", "models/gpt.py",
+           "if not tie_embeddings:",
+           "if True:",  # a tied GPT keeps an untrained (vocab, d_model) head beside the embedding
+           ("tests/test_gpt_options.py::test_the_architecture_options_do_what_they_say",)),
+    Mutant("gpt_gelu_always_tanh", "models/gpt.py",
+           "approximate=self.gelu_approximate",
+           "approximate=True",  # gelu_approximate=False (nanoGPT's exact GELU) ignored
+           ("tests/test_gpt_options.py::test_the_architecture_options_do_what_they_say",)),
+    Mutant("gpt_ln_epsilon_ignored", "models/gpt.py",
+           "ln = dict(kw, epsilon=ln_epsilon)",
+           "ln = dict(kw)",  # the blocks' LayerNorms keep nnx's 1e-6
+           ("tests/test_gpt_options.py::test_the_architecture_options_do_what_they_say",)),
+    Mutant("gpt_bias_false_ignored", "models/gpt.py",
+           "kw = dict(dtype=dtype, param_dtype=jnp.float32, use_bias=bias, rngs=rngs)",
+           "kw = dict(dtype=dtype, param_dtype=jnp.float32, rngs=rngs)",  # bias=False keeps the blocks' biases
+           ("tests/test_gpt_options.py::test_the_architecture_options_do_what_they_say",)),
+    Mutant("nanogpt_query_and_key_swapped", "models/nanogpt.py",
+           'enumerate(("query", "key", "value"))',
+           'enumerate(("key", "query", "value"))',  # c_attn's first third is q, not k
+           ("tests/test_gpt_options.py::test_gpt_from_nanogpt_puts_each_matrix_where_nanogpt_uses_it",)),
+    Mutant("nanogpt_linear_not_transposed", "models/nanogpt.py",
+           'out = {"kernel": take(prefix + ".weight").T.reshape(kernel_shape)}',
+           'out = {"kernel": take(prefix + ".weight").reshape(kernel_shape)}',  # torch's (out, in) read as (in, out)
+           ("tests/test_gpt_options.py::test_gpt_from_nanogpt_puts_each_matrix_where_nanogpt_uses_it",)),
+    Mutant("nanogpt_params_are_views", "models/nanogpt.py",
+           "return np.array(value, dtype=np.float32)",
+           "return np.asarray(value, dtype=np.float32)",  # the GPT would change as torch trains its tensors in place
+           ("tests/test_gpt_options.py::test_gpt_from_nanogpt_puts_each_matrix_where_nanogpt_uses_it",)),
 ]
 
 

@@ -233,6 +233,8 @@ QUICK = (
     "test_hybrid.py::test_per_layer_gathering_in_replica_groups_sums_the_blocks_across_the_groups",
     "test_papercuts.py::test_the_install_hint_names_the_wheel_where_no_pyproject_lies_beside_the_package",
     "test_shipped.py::test_a_config_is_found_by_name_and_a_file_of_that_path_wins",
+    # The GPT's nanoGPT options and weight mapping, torch-free (the parity with nanoGPT needs torch: full tier).
+    "test_gpt_options.py",
 )
 
 

@@ -93,3 +93,13 @@ def test_bad_values_are_refused_in_one_sentence(kwargs, message, model):
     with pytest.raises(ValueError) as e:
         generate(model, args.pop("prompts"), args.pop("max_new_tokens"), **args)
     assert message in str(e.value)
+
+
+def test_a_nanogpt_shaped_gpt_decodes_as_its_whole_forward_pass():
+    """Tied embeddings (no head: the logits are the embedding's transpose), no biases and the exact GELU
+    (nanoGPT's architecture) go through the cached decode as through the model's own forward pass."""
+    m = GPT(VOCAB, CONTEXT, d_model=16, n_heads=2, n_layers=2, dropout=0.0, bias=False, tie_embeddings=True,
+            gelu_approximate=False, ln_epsilon=1e-5, rngs=nnx.Rngs(0))
+    for layer in (m.tok_embed.embedding, m.pos_embed.embedding):
+        layer[...] = layer[...] * 40
+    np.testing.assert_array_equal(generate(m, PROMPTS, NEW, temperature=0.0), greedy_reference(m, PROMPTS, NEW))

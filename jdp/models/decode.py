@@ -61,7 +61,7 @@ def _block_cached(block, x, k_cache, v_cache, start, visible):
     out = nnx.dot_product_attention(query, k_cache, v_cache, mask=visible[:, None], dtype=attn.dtype,
                                     precision=attn.precision)
     x = x + attn.out(out)
-    return x + block.proj(nnx.gelu(block.fc(block.ln2(x)))), k_cache, v_cache
+    return x + block.mlp(x), k_cache, v_cache
 
 
 def forward_cached(model, tokens: jax.Array, cache: KVCache, start, first: jax.Array) -> tuple:
@@ -93,7 +93,7 @@ def forward_cached(model, tokens: jax.Array, cache: KVCache, start, first: jax.A
             ks.append(k)
             vs.append(v)
         k, v = jnp.stack(ks), jnp.stack(vs)
-    return model.head(model.ln_f(x)).astype(jnp.float32), KVCache(k, v)
+    return model.logits(x), KVCache(k, v)
 
 
 def filter_logits(logits: jax.Array, top_k, top_p) -> jax.Array:
@@ -192,7 +192,7 @@ def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None, t
 
 def _prepared(model, prompts, max_new_tokens, temperature, top_k, top_p, key) -> tuple:
     """`_decode`'s arguments for `generate`'s, checked (ValueError in one sentence)."""
-    vocab, context = model.head.out_features, model.context
+    vocab, context = model.vocab_size, model.context
     check_sampling(max_new_tokens, temperature, top_k, top_p, vocab)
     rows = _as_rows(prompts)
     check_prompts(rows, vocab, context, max_new_tokens)
@@ -250,7 +250,7 @@ def greedy_reference(model, prompts, max_new_tokens: int) -> np.ndarray:
     The rows are run zero-padded on the right to the model's context, one compilation for all
     lengths: position t of a causal model depends on tokens 0..t only.
     """
-    vocab, context = model.head.out_features, model.context
+    vocab, context = model.vocab_size, model.context
     check_sampling(max_new_tokens, 0.0, None, None, vocab)
     rows = _as_rows(prompts)
     check_prompts(rows, vocab, context, max_new_tokens)

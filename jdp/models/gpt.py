@@ -73,9 +73,11 @@ class Block(nnx.Module):
     """
 
     def __init__(self, d_model: int, n_heads: int, dropout: float, *, dtype: jnp.dtype, attention: str,
-                 rngs: nnx.Rngs):
-        kw = dict(dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
-        self.ln1 = nnx.LayerNorm(d_model, **kw)
+                 rngs: nnx.Rngs, bias: bool = True, gelu_approximate: bool = True, ln_epsilon: float = 1e-6):
+        kw = dict(dtype=dtype, param_dtype=jnp.float32, use_bias=bias, rngs=rngs)
+        ln = dict(kw, epsilon=ln_epsilon)
+        self.gelu_approximate = gelu_approximate
+        self.ln1 = nnx.LayerNorm(d_model, **ln)
         # Attention-weight dropout off (dropout_rate=0.0), so the layer keeps no RNG stream;
         # dropout is applied to its output below, with the key given at call time.
         implementation = "cudnn" if attention == "cudnn" else None  # None: jax's XLA attention
@@ -83,7 +85,7 @@ class Block(nnx.Module):
         self.attn = nnx.MultiHeadAttention(n_heads, d_model, dropout_rate=0.0, decode=False,
                                            keep_rngs=False, **extra, **kw)
         self.drop1 = nnx.Dropout(dropout)
-        self.ln2 = nnx.LayerNorm(d_model, **kw)
+        self.ln2 = nnx.LayerNorm(d_model, **ln)
         self.fc = nnx.Linear(d_model, 4 * d_model, **kw)
         self.proj = nnx.Linear(4 * d_model, d_model, **kw)
         self.drop2 = nnx.Dropout(dropout)
@@ -97,8 +99,11 @@ class Block(nnx.Module):
         first, second = (rngs, rngs) if rngs is None or isinstance(rngs, nnx.Rngs) else (rngs[0], rngs[1])
         h = self.attn(self.ln1(x), mask=mask, deterministic=True)
         x = x + self.drop1(h, deterministic=not train, rngs=first)
-        h = self.proj(nnx.gelu(self.fc(self.ln2(x))))
-        return x + self.drop2(h, deterministic=not train, rngs=second)
+        return x + self.drop2(self.mlp(x), deterministic=not train, rngs=second)
+
+    def mlp(self, x: jax.Array) -> jax.Array:
+        """The block's feed-forward branch, before its dropout: (batch, T, d_model) → (batch, T, d_model)."""
+        return self.proj(nnx.gelu(self.fc(self.ln2(x)), approximate=self.gelu_approximate))
 
 
 def _block_forward(block: Block, x: jax.Array, mask: jax.Array | None, train: bool,
@@ -154,11 +159,19 @@ class GPT(nnx.Module):
     every backend) or "cudnn" (the same call with implementation="cudnn": cuDNN flash attention,
     GPUs and bfloat16 only). `remat=True` rematerialises every block; `scan_layers=True` stacks
     them and runs them in one `lax.scan` (`scan_blocks`).
+
+    Architecture options (the defaults are this model as it always was): `bias=False` drops the
+    biases of every Linear, attention projection and LayerNorm; `tie_embeddings=True` computes the
+    logits as `x @ tok_embed.embedding.T` (one (vocab, d_model) matrix, no `head`);
+    `gelu_approximate=False` is the exact erf GELU instead of the tanh approximation;
+    `ln_epsilon` is every LayerNorm's epsilon. nanoGPT's GPT is `tie_embeddings=True,
+    gelu_approximate=False, ln_epsilon=1e-5` with its `bias` (`jdp.models.gpt_from_nanogpt`).
     """
 
     def __init__(self, vocab_size: int, context: int, d_model: int = 64, n_heads: int = 4, n_layers: int = 2,
                  dropout: float = 0.1, *, dtype=None, attention: str = "flax", remat: bool = False,
-                 scan_layers: bool = False, rngs: nnx.Rngs):
+                 scan_layers: bool = False, bias: bool = True, tie_embeddings: bool = False,
+                 gelu_approximate: bool = True, ln_epsilon: float = 1e-6, rngs: nnx.Rngs):
         if min(vocab_size, context, d_model, n_heads, n_layers) < 1:
             raise ValueError(f"vocab_size={vocab_size}, context={context}, d_model={d_model}, n_heads={n_heads} "
                              f"and n_layers={n_layers} must all be positive.")
@@ -166,6 +179,8 @@ class GPT(nnx.Module):
             raise ValueError(f"d_model={d_model} must be divisible by n_heads={n_heads}.")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout={dropout} must be in [0, 1).")
+        if not ln_epsilon > 0.0:
+            raise ValueError(f"ln_epsilon={ln_epsilon} must be positive.")
         if attention not in ATTENTIONS:
             raise ValueError(f"attention={attention!r} is not one of {ATTENTIONS}.")
         dtype = compute_dtype(dtype)
@@ -174,18 +189,20 @@ class GPT(nnx.Module):
                              f"runs on {jax.default_backend()!r} with dtype {jnp.dtype(dtype).name}: use 'fused'.")
         self.context, self.dropout = int(context), float(dropout)
         self.attention, self.remat, self.scan_layers, self.n_layers = attention, bool(remat), bool(scan_layers), n_layers
+        self.tie_embeddings = bool(tie_embeddings)
         kw = dict(dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+        block_kw = dict(dtype=dtype, attention=attention, bias=bias, gelu_approximate=gelu_approximate,
+                        ln_epsilon=ln_epsilon)
         self.tok_embed = nnx.Embed(vocab_size, d_model, embedding_init=_EMBED_INIT, **kw)
         self.pos_embed = nnx.Embed(context, d_model, embedding_init=_EMBED_INIT, **kw)
         self.drop = nnx.Dropout(dropout)
         if scan_layers:
-            self.layers = stacked_blocks(n_layers, d_model, n_heads, dropout, dtype=dtype, attention=attention,
-                                         rngs=rngs)
+            self.layers = stacked_blocks(n_layers, d_model, n_heads, dropout, rngs=rngs, **block_kw)
         else:
-            self.blocks = nnx.List([Block(d_model, n_heads, dropout, dtype=dtype, attention=attention, rngs=rngs)
-                                    for _ in range(n_layers)])
-        self.ln_f = nnx.LayerNorm(d_model, **kw)
-        self.head = nnx.Linear(d_model, vocab_size, use_bias=False, **kw)
+            self.blocks = nnx.List([Block(d_model, n_heads, dropout, rngs=rngs, **block_kw) for _ in range(n_layers)])
+        self.ln_f = nnx.LayerNorm(d_model, epsilon=ln_epsilon, use_bias=bias, **kw)
+        if not tie_embeddings:  # tied: the logits are x @ tok_embed.embedding.T, no head params
+            self.head = nnx.Linear(d_model, vocab_size, use_bias=False, **kw)
 
     def __call__(self, tokens: jax.Array, *, train: bool = True,
                  rngs: nnx.Rngs | jax.Array | None = None) -> jax.Array:
@@ -201,7 +218,8 @@ class GPT(nnx.Module):
         if t > self.context:
             raise ValueError(f"sequence length {t} exceeds the model's context of {self.context}.")
         rngs = _dropout_rngs(rngs, train, self.dropout)
-        for part in ((self.tok_embed, self.pos_embed, self.ln_f, self.head) if self.scan_layers else (self,)):
+        outer = (self.tok_embed, self.pos_embed, self.ln_f) + (() if self.tie_embeddings else (self.head,))
+        for part in (outer if self.scan_layers else (self,)):
             nnx.update(part, gather(nnx.state(part)))  # whole params outside the scanned layers
         x = self.tok_embed(tokens) + self.pos_embed(jnp.arange(t))
         # backend="jit": the residual stream pinned batch-sharded (here and after every block), or the
@@ -215,4 +233,14 @@ class GPT(nnx.Module):
             forward = _remat_block_forward if self.remat else _block_forward
             for block in self.blocks:
                 x = pin_batch(forward(block, x, mask, train, rngs))
-        return self.head(self.ln_f(x)).astype(jnp.float32)
+        return self.logits(x)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok_embed.num_embeddings
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        """The residual stream (batch, T, d_model) → float32 logits (batch, T, vocab_size): the final
+        LayerNorm, then the head (with tie_embeddings, the token embedding's transpose)."""
+        x = self.ln_f(x)
+        return (self.tok_embed.attend(x) if self.tie_embeddings else self.head(x)).astype(jnp.float32)
