@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from benchmarks.common import child_env
 import jdp
+from jdp.core.state import device_key
 from jdp.models import CNN, GPT, apply_with_state, param_count
 from helpers import max_abs_diff, reference_run
 
@@ -232,7 +233,7 @@ def test_gpt_masks_differ_per_device_under_shard_map(gpt, mesh4):
     base = jax.random.key_data(jax.random.key(7))
 
     def per_device(params, tok):
-        key = jdp.core.state.device_key(base, jnp.int32(0))
+        key = device_key(base, jnp.int32(0))
         return nnx.merge(graphdef, params, rest, copy=True)(tok, train=True, rngs=nnx.Rngs(dropout=key))
 
     f = jax.jit(jax.shard_map(per_device, mesh=mesh4, in_specs=(P(), P(jdp.DATA_AXIS)),
