@@ -771,6 +771,13 @@ MUTANTS = [
     Mutant("axis_rules_ignored", "core/annotations.py",
            "axis = axis_rules.get(name, name if name in sizes else None)", "axis = name if name in sizes else None",
            ("tests/test_annotations.py::test_annotations_under_jit_map_through_axis_rules_and_the_rest_is_replicated",)),
+    # jdp explain under backend="jit": the per-device parts skipped, the seeds' psum rows left out
+    Mutant("explain_jit_runs_the_per_device_parts", "inspect/explain.py",
+           '    if backend == "jit":\n        runs.update(', '    if backend == "jit" and False:\n        runs.update(',
+           ("tests/test_explain.py::test_explain_under_jit_runs_the_seed_and_says_the_per_device_parts_are_skipped",)),
+    Mutant("explain_jit_seed_sums_per_device", "inspect/explain.py",
+           'per_device = {} if backend == "jit" else {', 'per_device = {} if backend == "pmap!" else {',
+           ("tests/test_explain.py::test_explain_under_jit_runs_the_seed_and_says_the_per_device_parts_are_skipped",)),
 ]
 
 
