@@ -778,6 +778,9 @@ MUTANTS = [
     Mutant("explain_jit_seed_sums_per_device", "inspect/explain.py",
            'per_device = {} if backend == "jit" else {', 'per_device = {} if backend == "pmap!" else {',
            ("tests/test_explain.py::test_explain_under_jit_runs_the_seed_and_says_the_per_device_parts_are_skipped",)),
+    Mutant("explain_jit_tokens_keep_the_psum_runs", "inspect/explain_tokens.py",
+           'for r in RUNS if "reduction" not in r[4]]', 'for r in RUNS]',
+           ("tests/test_explain.py::test_token_normalisations_under_jit_the_batchs_own_count_is_exact",)),
 ]
 
 

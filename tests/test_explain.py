@@ -190,3 +190,15 @@ def test_explain_under_jit_runs_the_seed_and_says_the_per_device_parts_are_skipp
     text = console.file.getvalue()
     assert "fp16 overflow: skipped under backend='jit'" in text and "sum (psum): skipped under backend='jit'" in text
     assert "Adam (ε" not in text and "Clipping:" not in text
+
+
+def test_token_normalisations_under_jit_the_batchs_own_count_is_exact():
+    """Under backend="jit" the loss divided by its batch's own count is the global token mean on N
+    devices; dividing each micro-batch by its own count still is not; the psum runs are left out."""
+    from jdp.inspect import explain_tokens
+
+    runs = {r["run"]: r["max_abs_dparam"] for r in explain_tokens.token_normalisations(4, backend="jit")["runs"]}
+    assert list(runs) == [explain_tokens.JIT_LABELS[explain_tokens.RUNS[0][0]],
+                          "own count per micro-batch (1 device, M=2)", "jdp.Weighted, N devices × M=2"]
+    own, micro, weighted = runs.values()
+    assert own <= 1e-6 and weighted <= 1e-6 and micro > 1e-3
