@@ -289,10 +289,11 @@ def _seed_table(title: str, seed: dict):
     t.add_row(f"1 device, whole batch (lr {lr})", fmt(seed["one_device"]["grad"]), fmt(seed["one_device"]["w"]))
     for i, g in enumerate(seed["local_grads"]):
         t.add_row(f"  device {i + 1}, its shard only", fmt(g), "")
-    t.add_row(f"{n} devices, mean (pmean)", fmt(seed["mean"]["grad"]), fmt(seed["mean"]["w"]))
-    if "sum" not in seed:
-        t.add_row(f"{n} devices, sum (psum): {SKIPPED_UNDER_JIT}", "", "")
+    if "sum" not in seed:  # backend="jit": the loss's own mean over the whole batch, and no psum
+        t.add_row(f"{n} devices, the global batch's mean", fmt(seed["mean"]["grad"]), fmt(seed["mean"]["w"]))
+        t.add_row(f"{n} devices, sum (psum): {SKIPPED_UNDER_JIT.split(':')[0]}", "", "")
         return t
+    t.add_row(f"{n} devices, mean (pmean)", fmt(seed["mean"]["grad"]), fmt(seed["mean"]["w"]))
     t.add_row(f"{n} devices, sum (psum)", fmt(seed["sum"]["grad"]), fmt(seed["sum"]["w"]))
     t.add_row(f"{n} devices, sum with lr/{n} = {seed['sum_lr_over_n']['lr']:g}", "", fmt(seed["sum_lr_over_n"]["w"]))
     return t
