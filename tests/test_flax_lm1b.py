@@ -6,7 +6,8 @@ and micro-batches.
 train.py functions unchanged (train_step, eval_step, compute_weighted_cross_entropy, ...). The
 example's train_step divides the token-loss sum by each device's own token count, then
 `lax.pmean(grads, 'batch')`: the mean of per-device means, which is not the one-device step on the
-global batch when the counts differ. The natural port of that loss into jdp reproduces the example's
+global batch when the counts differ. The natural port of that loss into jdp is refused by the step's
+first-call audit (`jdp.core.audit`); with audit=False, passed to show it, it reproduces the example's
 own pmap run; the weighted port returns the sum and the count (`jdp.Weighted`) and equals one device
 on the global batch in every mode. Changed lines against the example, data loading aside (each
 marked `# jdp`): 8 —
@@ -142,7 +143,7 @@ def test_token_counts_differ_between_devices_and_micro_batches():
 
 
 def test_the_natural_port_reproduces_the_examples_own_pmap_run_and_both_differ_from_one_device():
-    _, _, natural, _ = train_with_jdp(global_batches(1), weighted=False)
+    _, _, natural, _ = train_with_jdp(global_batches(1), weighted=False, audit=False)  # refused by default
     pmapped = example_run(N, global_batches(1))
     print(f"\nexample's 4-device pmap vs one device {max_diff(pmapped, one_device(1)):.1e}, "
           f"natural port vs the pmap run {max_diff(natural.params, pmapped):.1e}")
@@ -204,3 +205,14 @@ def test_evaluation_equals_the_examples_eval_step_on_one_device():
     want = {k: float(sums[k][0] / sums["denominator"][0]) for k in ("loss", "accuracy")}
     np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-6)
     np.testing.assert_allclose(got["accuracy"], want["accuracy"], rtol=1e-6)
+
+
+def test_the_natural_port_is_refused_by_the_first_call_audit():
+    """The example's loss, divided by each device's own count, is refused before the first step."""
+    from jdp.core.audit import AuditError
+
+    state, _ = initial_state()
+    step, jstate = jdp.linen.make_train_step(state, port_loss_fn(config(), weighted=False), axis_name='batch',
+                                             needs_rng=True, devices=jax.devices()[:N])
+    with pytest.raises(AuditError, match="jdp.Weighted.*backend='jit'"):
+        step(jstate, global_batches(1)[0])

@@ -62,7 +62,7 @@ def test_a_directory_is_never_a_config_and_a_shipped_name_wins_over_one(tmp_path
     assert (done.returncode, done.stdout) == (2, "") and done.stderr == (
         "jdp: error: config 'mine' is a directory, and a directory is never a config; give a YAML file or the name of "
         "a shipped config: char_gpt, char_gpt_bf16, char_gpt_tokens, digits_cnn_syncbn, digits_mlp, "
-        "digits_mlp_accum_psum, digits_mlp_bf16, gpt2_small, seed_linear (jdp configs lists them).\n")
+        "digits_mlp_accum_psum, digits_mlp_bf16, gpt2_small, seed_linear, stdlib_bpe_gpt (jdp configs lists them).\n")
     assert sorted(os.listdir(tmp_path)) == ["digits_mlp", "mine"] and not os.listdir(tmp_path / "mine")
 
 
@@ -85,7 +85,8 @@ def test_prepare_tokens_writes_the_reference_text_as_byte_tokens_and_never_overw
     assert f"train.bin: {len(train):,} tokens" in capsys.readouterr().out
     before = (out / "train.bin").read_bytes()
     (tmp_path / "t.txt").write_text("abc" * 10)
-    for argv, message in ((["t.txt", str(out)], f"'{out / 'train.bin'}' already exists; choose another OUTPUT"),
+    for argv, message in ((["t.txt", str(out)], f"'{out / 'train.bin'}', '{out / 'val.bin'}' and "
+                                                f"'{out / 'meta.json'}' already exist; choose another OUTPUT"),
                           (["t.txt", str(tmp_path / "x"), "--dtype", "int8"], "--dtype 'int8' is not a token dtype"),
                           (["nothing.txt", str(tmp_path / "y")], "INPUT 'nothing.txt' is not a file")):
         assert main(["data", "prepare-tokens", *(str(tmp_path / a) if a == "t.txt" else a for a in argv)]) == 2

@@ -23,6 +23,8 @@ class Task:
     description: str
     sync_batchnorm: bool = True  # False: the model keeps per-device statistics (the step's sync_batchnorm)
     transform: Callable | None = None  # transform(example, rng) on every training example (jdp.data.make_batches)
+    per_token: bool = False  # a language model: the loss is a mean per token, evaluated with perplexity too
+    bytes_per_token: float | None = None  # UTF-8 bytes of text per held-out token (bits per byte); None: unknown
 
 
 __all__ = ["Task"]

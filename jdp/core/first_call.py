@@ -1,10 +1,11 @@
-"""What a step settles on its first call: the accumulator's aux sized, the returned model state checked."""
+"""What a step settles on its first call: the accumulator's aux sized, the returned model state checked, the loss audited."""
 from __future__ import annotations
 
 from collections.abc import Callable
 
 import jax
 
+from jdp.core.audit import Audit, AuditError, audit_loss
 from jdp.core.layouts import UNSIZED
 from jdp.core.mesh import data_axes
 from jdp.core.model_state import check_agreement, check_structure, spread_over_devices
@@ -20,6 +21,15 @@ class FirstCall:
         self.layout, self.mesh, self._declared_loss, self._loss, self.options = (layout, mesh, declared_loss, loss,
                                                                                   options)
         self.model_state_checked = not options.has_state
+        self.audited = not options.audit
+
+    def audit(self, state: TrainState, placed, first_call: bool = False) -> Audit:
+        """The audit of the loss on this batch (`jdp.core.audit.audit_loss`); AuditError if refused."""
+        found = audit_loss(self.layout, self.mesh, self._declared_loss, self.options, state, placed, first_call)
+        if found.verdict == "refused":
+            raise AuditError(found, self.layout.num_devices, self.options.backend)
+        self.audited = True
+        return found
 
     def sized(self, state: TrainState, placed) -> TrainState:
         """`state` with the accumulator's aux sums sized from aux's structure (traced on the mesh)."""

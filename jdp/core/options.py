@@ -54,6 +54,7 @@ class StepOptions:
     gather_in_model: bool = False  # shard_params: the model gathers its params itself (`jdp.fsdp.gather`), per layer
     replicas: int = 1  # hybrid sharding: the sharded state split within each of this many device groups
     axis_rules: tuple = ()  # backend="jit": (annotation name, jdp mesh axis or None) pairs (`jdp.core.annotations`)
+    audit: bool = True  # the first call checks that a plain loss is a mean over its rows (`jdp.core.audit`)
 
     def __post_init__(self):
         for field, choices in (("backend", BACKENDS), ("reduction", REDUCTIONS), ("accum_sync", ACCUM_SYNCS)):
@@ -63,7 +64,7 @@ class StepOptions:
             if not _is_int(getattr(self, field)) or getattr(self, field) < 1:
                 raise OptionError(field, f"{field}={getattr(self, field)!r} must be an integer of at least 1.")
         for field in ("has_aux", "needs_rng", "has_state", "skip_nonfinite", "grad_norm", "shard_optimizer_state",
-                      "sync_batchnorm", "shard_params", "gather_in_model"):
+                      "sync_batchnorm", "shard_params", "gather_in_model", "audit"):
             if not isinstance(getattr(self, field), (bool, np.bool_)):
                 raise OptionError(field, f"{field}={getattr(self, field)!r} must be True or False.")
         if self.shard_params and self.backend == "pmap":

@@ -93,3 +93,14 @@ def check_master_params(params, precision: str) -> None:
         if jnp.issubdtype(dtype, jnp.floating) and dtype != jnp.float32:
             raise ValueError(f"params{jax.tree_util.keystr(path)} is {dtype}; precision={precision!r} keeps "
                              f"float32 master params and computes in {precision}: pass float32 params.")
+
+
+def check_trainable(params) -> None:
+    """Refuse, naming the leaf, params that `jax.grad` cannot differentiate (integer or bool leaves)."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        dtype = jnp.result_type(leaf)
+        if not jnp.issubdtype(dtype, jnp.inexact):
+            raise ValueError(f"params{jax.tree_util.keystr(path)} is {dtype}, and the step differentiates every "
+                             f"leaf of params, which needs floating-point leaves; keep non-trainable values (counters, "
+                             f"masks, statistics) in the model state (has_state=True, `step.init(params, "
+                             f"model_state)`), which loss_fn receives and may update.")

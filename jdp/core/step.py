@@ -83,6 +83,7 @@ import optax
 from jdp.core.algorithm import Step, device_step
 from jdp.core.annotations import describe, has_annotations, host_if_elsewhere, own_mesh, say_once
 from jdp.core.first_call import FirstCall
+from jdp.core.audit import Audit, AuditError
 from jdp.core.fsdp import FullyShardedLayout, host_whole
 from jdp.core.global_view import JitLayout
 from jdp.core.layouts import LAYOUTS, UNSIZED
@@ -91,7 +92,7 @@ from jdp.core.mesh import DATA_AXIS, make_mesh
 from jdp.core.optim import OptimizerSpec, check_optimizer, for_reduction, with_grad_scale
 from jdp.core.options import StepOptions
 from jdp.core.placement import Placement
-from jdp.core.precision import check_master_params, in_precision
+from jdp.core.precision import check_master_params, check_trainable, in_precision
 from jdp.core.state import TrainState
 from jdp.core.zero import ShardedStateLayout
 from jdp.cpu import RunAhead
@@ -218,10 +219,18 @@ class TrainStep:
             state = self._first.sized(state, batch)
             if not self._first.model_state_checked:
                 self._first.check_model_state(state, batch)
+            if not self._first.audited:
+                self._first.audit(state, batch, first_call=True)
             self.run_ahead.wait()
             state, metrics = self._step(state, batch)
         self.run_ahead.launched(metrics["micro_step"])
         return state, metrics
+
+    def audit(self, state: TrainState, batch) -> Audit:
+        """The `Audit` of a plain loss on this (micro-)batch (`jdp.core.audit`), as the first call runs it
+        unless audit=False; `AuditError` (a ValueError) for a loss divided by each device's own count."""
+        self._check_state(state)
+        return self._first.audit(state, self.shard_batch(batch))
 
     def canonical(self, state: TrainState) -> TrainState:
         """One device-count-independent copy of `state` (pmap's stacking undone, accumulator dropped).
@@ -263,17 +272,6 @@ def step_optimizer(optimizer, o: StepOptions, n: int) -> optax.GradientTransform
     return optax.MultiSteps(with_grad_scale(tx), every_k_schedule=o.accum_steps).gradient_transformation()
 
 
-def check_trainable(params) -> None:
-    """Refuse, naming the leaf, params that `jax.grad` cannot differentiate (integer or bool leaves)."""
-    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-        dtype = jnp.result_type(leaf)
-        if not jnp.issubdtype(dtype, jnp.inexact):
-            raise ValueError(f"params{jax.tree_util.keystr(path)} is {dtype}, and the step differentiates every "
-                             f"leaf of params, which needs floating-point leaves; keep non-trainable values (counters, "
-                             f"masks, statistics) in the model state (has_state=True, `step.init(params, "
-                             f"model_state)`), which loss_fn receives and may update.")
-
-
 def check_state(state, stacked: bool, backend: str) -> None:
     """Refuse, in one sentence, a state this step cannot take."""
     if not isinstance(state, TrainState):
@@ -296,7 +294,7 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation |
                     shard_optimizer_state: bool = False, shard_params: bool = False,
                     axis_name: str = DATA_AXIS, sync_batchnorm: bool = True,
                     gather_in_model: bool = False, replicas: int = 1, axis_rules: dict | None = None,
-                    param_axes=None) -> TrainStep:
+                    param_axes=None, audit: bool = True) -> TrainStep:
     """Build a data-parallel training step.
 
     Args:
@@ -359,6 +357,9 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation |
         tuples of axis names per leaf (None: not annotated), e.g. `nnx.get_partition_spec(state)`;
         `jdp.nnx` and `jdp.linen` read them from the model. Honoured under backend="jit", set
         aside (said once) under "shard_map" and "pmap".
+      audit: True (default): the first call checks that a plain scalar loss is a mean over its rows,
+        on a few rows of every device (`jdp.core.audit`), and refuses one that divides by each
+        device's own count of tokens (a mean of per-device means); False skips the check.
 
     Returns:
       A `TrainStep`: `state = step.init(params)`, `state, metrics = step(state, batch)` where the
@@ -369,7 +370,7 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation |
                           accum_sync=accum_sync, skip_nonfinite=skip_nonfinite, grad_norm=grad_norm,
                           precision=precision, reduce_dtype=reduce_dtype, shard_optimizer_state=shard_optimizer_state,
                           shard_params=shard_params, axis_name=axis_name, sync_batchnorm=sync_batchnorm,
-                          gather_in_model=gather_in_model, replicas=replicas, axis_rules=axis_rules)
+                          gather_in_model=gather_in_model, replicas=replicas, axis_rules=axis_rules, audit=audit)
     return TrainStep(loss_fn, optimizer, options, devices, param_axes)
 
 

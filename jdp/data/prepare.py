@@ -1,90 +1,261 @@
-"""Token files from a text: what `jdp data prepare-tokens INPUT OUTPUT` runs.
+"""Token files from texts: what `jdp data prepare-tokens INPUT... OUTPUT` runs.
 
-    jdp data prepare-tokens python-reference runs/pyref_tokens     # the text that ships with Python
-    jdp data prepare-tokens my_corpus.txt runs/mine --val-fraction 0.05 --dtype uint16
+    jdp data prepare-tokens python-reference runs/pyref_tokens              # byte tokens, vocab 256
+    jdp data prepare-tokens python-stdlib runs/stdlib_bpe --tokenizer bpe:4096
+    jdp data prepare-tokens 'corpus/*.jsonl' runs/mine --field text --tokenizer my_model/tokenizer.json
 
-writes `OUTPUT/train.bin` and `OUTPUT/val.bin` in the format `jdp.data.load_tokens` reads
-(nanoGPT's): token ids one after another, each a little-endian unsigned integer of `--dtype`
-(uint16 by default), no header. The tokenizer is the identity on bytes: each token is one byte of
-the text's UTF-8 encoding, so the vocabulary is 256 ids (`data.vocab_size: 256`) and decoding is
-`bytes(ids).decode("utf-8")`.
+writes into OUTPUT `train.bin` and `val.bin` in the format `jdp.data.load_tokens` reads (nanoGPT's):
+token ids one after another, each a little-endian unsigned integer of `--dtype`, no header; the
+tokenizer (`tokenizer.json`, except for bytes) and `meta.json`, which `jdp train` reads
+(`jdp.data.tokenizer` says both). The dtype is uint16 up to 65,536 ids, uint32 above, unless
+`--dtype` says uint32.
 
-The split is made on characters, as `jdp.data.load_char_corpus` makes it: `val.bin` holds the last
-`val_fraction` of the characters (rounded), `train.bin` the rest, each then encoded. INPUT
-`python-reference` (unless a file of that name exists) is the text `load_char_corpus` reads (the
-Python Language Reference's topics, `pydoc_data.topics`), so the two corpora hold the same
-characters in the same split; nothing downloads. Files already in OUTPUT are never overwritten:
-each file is written beside its final name and renamed into place.
+The INPUTs (`jdp.data.text_inputs`: files, globs, .jsonl records, the texts that ship with
+Python) are read piece by piece, never whole: once to count their characters and hash them, once
+more to train a BPE (bpe:VOCAB, on the training split only), and once to encode, in chunks cut
+where a GPT-2-style pre-tokenizer splits anyway, encoded in parallel batches, written as they
+come. The split is made on characters, as `jdp.data.load_char_corpus` makes it: val.bin holds
+the last `val_fraction` of the characters (rounded), train.bin the rest. With the bytes
+tokenizer the files are the text's UTF-8 bytes, as before meta.json existed.
+
+Nothing in OUTPUT is overwritten and nothing outside it is written: each file is first written
+as NAME.partial, created exclusively and never through a link (an existing NAME.partial, a
+link included, is refused), then linked to its name, which fails if the name exists; a stopped
+run removes its own .partial files. meta.json comes last: a folder with it is complete.
 """
 from __future__ import annotations
 
+import json
 import os
+import time
 
 import numpy as np
 
-REFERENCE = "python-reference"  # INPUT naming the text that ships with Python
+from jdp.data.text_inputs import READ_BYTES, REFERENCE, chunks, expand_inputs, survey, text_range
+from jdp.data.tokenizer import META, TOKENIZER_FILE, Tokenizer, dtype_for, parse_spec, train_bpe
+from jdp.text import quoted
+
 TOKEN_FILES = ("train.bin", "val.bin")
-DTYPES = ("uint16", "uint32")  # a byte tokenizer's 256 ids fit either; uint16 is nanoGPT's (and load_tokens' default)
+DTYPES = ("uint16", "uint32")
+CHUNK_CHARS = 1 << 16  # characters per encoded chunk (cut at a pre-token boundary: `text_inputs.chunks`)
+BATCH_CHUNKS = 64  # chunks encoded together (in parallel) and written at once
+TRAIN_CONFIG = "stdlib_bpe_gpt"  # the shipped config whose data.path names a prepared folder
 
 
-def byte_tokens(text: str, dtype: str = "uint16") -> np.ndarray:
-    """The UTF-8 bytes of `text` as token ids of `dtype`, shape (bytes,)."""
-    return np.frombuffer(text.encode("utf-8"), np.uint8).astype(dtype)
+def _quote_all(paths) -> str:
+    names = [quoted(p) for p in paths]
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
 
 
-def read_input(source: str) -> str:
-    """The text of `source`: a UTF-8 file, or `python-reference` (see the module's docstring)."""
-    if source == REFERENCE and not os.path.exists(source):
-        from jdp.data.datasets import reference_text
+class _Files:
+    """OUTPUT's files of one run: each written as NAME.partial (exclusive, no link followed), then
+    linked to NAME; `discard()` removes what this run made and nothing else."""
 
-        return reference_text()
-    if not os.path.isfile(source):
-        raise ValueError(f"INPUT {source!r} is not a file; give a UTF-8 text file, or {REFERENCE!r} for the "
-                         f"Python Language Reference text.")
-    try:
-        with open(source, encoding="utf-8") as f:
-            return f.read()
-    except UnicodeDecodeError as e:
-        raise ValueError(f"INPUT {source!r} is not UTF-8 text ({e.reason} at byte {e.start}).") from None
+    def __init__(self, out: str, names: list[str]):
+        self.out, self.names, self.made, self.published = out, names, [], []
+        self.created_out = False
+
+    def check(self) -> None:
+        """Refuse, naming them, files of this run's names already in OUTPUT."""
+        paths = [os.path.join(self.out, n) for n in self.names]
+        existing = [p for p in paths if os.path.lexists(p)]
+        if existing:  # (a NAME.partial there is refused by `open`, which creates it exclusively)
+            raise ValueError(f"{_quote_all(existing)} already exist{'s' if len(existing) == 1 else ''}; choose another "
+                             f"OUTPUT folder or delete the token files there first.")
+        if os.path.lexists(self.out) and not os.path.isdir(self.out):
+            raise ValueError(f"OUTPUT {quoted(self.out)} exists and is not a folder; name a folder.")
+
+    def open(self, name: str):
+        """NAME.partial, created for writing (binary); refused if anything is there, a link included."""
+        if not os.path.isdir(self.out):
+            os.makedirs(self.out)
+            self.created_out = True
+        path = os.path.join(self.out, name + ".partial")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+        try:
+            fd = os.open(path, flags, 0o644)
+        except FileExistsError:
+            raise ValueError(f"{quoted(path)} already exists (left by a prepare-tokens that was stopped, or one "
+                             f"writing there now); delete it or choose another OUTPUT folder.") from None
+        self.made.append(path)
+        return os.fdopen(fd, "wb")
+
+    def publish(self) -> None:
+        """Link each NAME.partial to NAME (which must not exist) and remove the .partial; meta.json last."""
+        for name in sorted(self.names, key=lambda n: n == META):
+            path = os.path.join(self.out, name)
+            try:
+                os.link(path + ".partial", path, follow_symlinks=False)
+            except FileExistsError:
+                raise ValueError(f"{quoted(path)} appeared while prepare-tokens wrote it; it is left as it is; choose "
+                                 f"another OUTPUT folder.") from None
+            self.published.append(path)
+            os.unlink(path + ".partial")
+            self.made.remove(path + ".partial")
+
+    def discard(self) -> None:
+        """Remove this run's .partial and published files (and OUTPUT if this run created it and it is empty)."""
+        for path in self.made + self.published:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        if self.created_out:
+            try:
+                os.rmdir(self.out)
+            except OSError:
+                pass
 
 
-def prepare_tokens(text: str, out: str, *, val_fraction: float = 0.1, dtype: str = "uint16") -> dict:
-    """Write `out/train.bin` and `out/val.bin` (byte tokens of `dtype`); returns {name: (tokens, characters)}.
-
-    Raises ValueError for a `val_fraction` outside (0, 1), a dtype not in DTYPES, or a token file
-    that already exists in `out` (it is left as it is).
-    """
+def _check_options(val_fraction: float, dtype: str | None) -> None:
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"--val-fraction {val_fraction} must be strictly between 0 and 1.")
-    if dtype not in DTYPES:
-        raise ValueError(f"--dtype {dtype!r} is not a token dtype for byte tokens; use one of {', '.join(DTYPES)}.")
-    existing = [os.path.join(out, name) for name in TOKEN_FILES if os.path.lexists(os.path.join(out, name))]
-    if existing:
-        raise ValueError(f"{existing[0]!r} already exists; choose another OUTPUT folder or delete the token files "
-                         f"there first.")
-    os.makedirs(out, exist_ok=True)
-    n_train = int(round(len(text) * (1.0 - val_fraction)))
-    counts = {}
-    for name, part in zip(TOKEN_FILES, (text[:n_train], text[n_train:])):
-        tokens = byte_tokens(part, dtype)
-        path = os.path.join(out, name)
-        tokens.astype(np.dtype(dtype).newbyteorder("<")).tofile(path + ".partial")
-        os.replace(path + ".partial", path)  # a killed run leaves no half-written token file under its name
-        counts[name] = (len(tokens), len(part))
-    return counts
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"--dtype {dtype!r} is not a token dtype for prepare-tokens; use one of {', '.join(DTYPES)}.")
 
 
-def prepare_from(source: str, out: str, *, val_fraction: float = 0.1, dtype: str = "uint16") -> str:
-    """`prepare_tokens` on the text of `source` (`read_input`); returns the line that says what was written.
+def _split_sizes(inputs: list[str], total: int, val_fraction: float) -> int:
+    """The training split's characters; ValueError for a text too short to give both splits text."""
+    what = f"INPUT {_quote_all(inputs)}"
+    if total == 0:
+        raise ValueError(f"{what} hold{'s' if len(inputs) == 1 else ''} no text; there is nothing to tokenize.")
+    n_train = int(round(total * (1.0 - val_fraction)))
+    if n_train in (0, total):
+        raise ValueError(f"{what} hold{'s' if len(inputs) == 1 else ''} {total} character{'s' * (total != 1)}, too "
+                         f"few to hold out --val-fraction {val_fraction} and train on the rest; give more text.")
+    return n_train
+
+
+def _encode(tokenizer: Tokenizer, pieces, f, dtype: str, chunk_chars: int, progress) -> tuple[int, int, int]:
+    """Encode the text `pieces` into the open file `f` batch by batch; (tokens, bytes, characters) written."""
+    out_dtype = np.dtype(dtype).newbyteorder("<")
+    tokens = nbytes = chars = 0
+    batch: list[str] = []
+
+    def flush():
+        nonlocal tokens
+        ids = tokenizer.encode_batch(batch, dtype)
+        f.write(ids.astype(out_dtype, copy=False).tobytes())
+        tokens += len(ids)
+        progress(sum(map(len, batch)), len(ids))
+        batch.clear()
+
+    for chunk in chunks(pieces, chunk_chars):
+        batch.append(chunk)
+        nbytes += len(chunk.encode("utf-8"))
+        chars += len(chunk)
+        if len(batch) == BATCH_CHUNKS:
+            flush()
+    if batch:
+        flush()
+    return tokens, nbytes, chars
+
+
+class _Progress:
+    """A rich bar over the characters encoded, with tokens/s, on a terminal only (stderr)."""
+
+    def __init__(self, total: int, shown: bool):
+        from rich.console import Console
+        from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
+
+        console = Console(stderr=True)
+        self.bar = Progress(TextColumn("[bold]tokenize"), BarColumn(), TaskProgressColumn(),
+                            TextColumn("{task.fields[rate]}"), TimeRemainingColumn(), console=console,
+                            disable=not (shown and console.is_terminal), transient=True)
+        self.task = self.bar.add_task("", total=total, rate="")
+        self.start, self.tokens = time.perf_counter(), 0
+
+    def __call__(self, chars: int, tokens: int) -> None:
+        self.tokens += tokens
+        rate = self.tokens / max(time.perf_counter() - self.start, 1e-9)
+        self.bar.update(self.task, advance=chars, rate=f"{rate:,.0f} tokens/s")
+
+
+def prepare(inputs, out: str, *, tokenizer: str = "bytes", val_fraction: float = 0.1, dtype: str | None = None,
+            field: str = "text", chunk_chars: int = CHUNK_CHARS, read_bytes: int = READ_BYTES,
+            progress: bool = False, log=None) -> dict:
+    """Tokenize the INPUTs (a str or a list) into the folder `out` (see the module's docstring); returns the
+    metadata written to out/meta.json, plus "seconds" {"train_tokenizer", "encode"} (not saved).
+
+    `log(line)` is told what happens as it happens (the BPE's training). Raises ValueError in one
+    sentence for a bad option, input or tokenizer, an input too short to split, or a file of this
+    run's names already in `out`; nothing in `out` is then left by this run.
+    """
+    given = [inputs] if isinstance(inputs, str) else list(inputs)
+    paths = expand_inputs(given)
+    _check_options(val_fraction, dtype)
+    kind, arg = parse_spec(tokenizer)
+    names = [*TOKEN_FILES, *([TOKENIZER_FILE] if kind != "bytes" else []), META]
+    files = _Files(out, names)
+    files.check()
+    total, digests = survey(paths, field=field, read_bytes=read_bytes)
+    n_train = _split_sizes(given, total, val_fraction)
+    text = lambda lo, hi: text_range(paths, lo, hi, field=field, read_bytes=read_bytes)  # noqa: E731
+    seconds, handles = {"train_tokenizer": 0.0}, {}
+    try:
+        for name in names:  # claimed before the long work
+            handles[name] = files.open(name)
+        start = time.perf_counter()
+        if kind == "bpe":
+            tok = train_bpe(chunks(text(0, n_train), chunk_chars), arg)
+            seconds["train_tokenizer"] = time.perf_counter() - start
+            if log:
+                log(f"trained a byte-level BPE of {tok.vocab_size:,} ids on {n_train:,} characters in "
+                    f"{seconds['train_tokenizer']:.1f} s")
+        else:
+            tok = Tokenizer("bytes") if kind == "bytes" else Tokenizer.from_file(arg)
+        if dtype == "uint16" and tok.vocab_size > 1 << 16:
+            raise ValueError(f"--dtype uint16 holds at most 65,536 ids, and the tokenizer has {tok.vocab_size:,}; "
+                             f"use --dtype uint32 (or leave --dtype out).")
+        dtype = dtype or dtype_for(tok.vocab_size)
+        bar, splits = _Progress(total, progress), {}
+        start = time.perf_counter()
+        with bar.bar:
+            for name, (lo, hi) in zip(TOKEN_FILES, ((0, n_train), (n_train, None))):
+                with handles[name] as f:
+                    n, nbytes, chars = _encode(tok, text(lo, hi), f, dtype, chunk_chars, bar)
+                splits[name[:-4]] = {"tokens": n, "bytes": nbytes, "characters": chars}
+        seconds["encode"] = time.perf_counter() - start
+        if kind != "bytes":
+            with handles[TOKENIZER_FILE] as f:
+                f.write(tok.to_json().encode("utf-8"))
+        meta = {"vocab_size": tok.vocab_size, "dtype": dtype,
+                "tokenizer": {"kind": kind, "file": None if kind == "bytes" else TOKENIZER_FILE, "spec": tokenizer},
+                "splits": splits, "inputs": digests, "val_fraction": val_fraction, "field": field}
+        with handles[META] as f:
+            f.write((json.dumps(meta, indent=1) + "\n").encode("utf-8"))
+        files.publish()
+    except BaseException:
+        for h in handles.values():
+            h.close()
+        files.discard()
+        raise
+    return {**meta, "seconds": seconds}
+
+
+def summary(meta: dict, out: str) -> list[str]:
+    """The lines prepare-tokens prints: the files, the throughput, and the command that trains on them."""
+    (nt, ct), (nv, cv) = ((meta["splits"][s]["tokens"], meta["splits"][s]["characters"]) for s in ("train", "val"))
+    total, seconds = nt + nv, meta["seconds"]["encode"]
+    return [f"train.bin: {nt:,} tokens ({ct:,} characters); val.bin: {nv:,} tokens ({cv:,} characters); "
+            f"vocab_size {meta['vocab_size']:,}, dtype {meta['dtype']} -> {out}",
+            f"wrote {total:,} tokens (vocab {meta['vocab_size']:,}, {meta['dtype']}) in {seconds:.1f} s, "
+            f"{total / max(seconds, 1e-9):,.0f} tokens/s",
+            f"train on it: jdp train {TRAIN_CONFIG} --set data.path={out}"]
+
+
+def prepare_from(source, out: str, *, val_fraction: float = 0.1, dtype: str | None = None, tokenizer: str = "bytes",
+                 field: str = "text", progress: bool = False, log=None) -> str:
+    """`prepare` on the INPUT(s) `source`; returns the lines that say what was written (`summary`).
     ValueError, in one sentence, for bad input or a file that cannot be read or written."""
     try:
-        counts = prepare_tokens(read_input(source), out, val_fraction=val_fraction, dtype=dtype)
+        meta = prepare(source, out, tokenizer=tokenizer, val_fraction=val_fraction, dtype=dtype, field=field,
+                       progress=progress, log=log)
     except OSError as e:  # an unreadable INPUT, an OUTPUT that cannot be created or written, a full disk
         raise ValueError(f"cannot prepare {out!r} from {source!r}: {e.strerror or e}"
                          + (f" ({e.filename!r})." if e.filename else ".")) from None
-    (nt, ct), (nv, cv) = counts["train.bin"], counts["val.bin"]
-    return (f"train.bin: {nt:,} tokens ({ct:,} characters); val.bin: {nv:,} tokens ({cv:,} characters); "
-            f"vocab_size 256, dtype {dtype} -> {out}")
+    return "\n".join(summary(meta, out))
 
 
-__all__ = ["DTYPES", "REFERENCE", "TOKEN_FILES", "byte_tokens", "prepare_from", "prepare_tokens", "read_input"]
+__all__ = ["BATCH_CHUNKS", "CHUNK_CHARS", "DTYPES", "REFERENCE", "TOKEN_FILES", "TRAIN_CONFIG", "prepare",
+           "prepare_from", "summary"]

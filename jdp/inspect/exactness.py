@@ -171,7 +171,8 @@ def assert_data_parallel_exact(loss_fn: Callable, optimizer, params_or_model, ba
         atol (rtol stays). For a leaf whose true gradient is 0 (an attention key bias), where Adam
         turns rounding into steps of the learning rate's size; a pattern that matches no leaf is refused.
       **step_options: passed on to the step (`reduction`, `lr_correction`, `skip_nonfinite`,
-        `mask_key` (default None here: the batch is taken as it is), `axis_name` (the mesh axis
+        `mask_key` (default None here: the batch is taken as it is), `audit` (default False here:
+        the comparison sees an own-count loss itself, and names it), `axis_name` (the mesh axis
         the loss reduces over, e.g. 'batch' for `nn.BatchNorm(axis_name='batch')`), and for a model
         `sync_batchnorm`).
 
@@ -234,6 +235,7 @@ def _checked_arguments(batches, backends, accum_sync, step_options):
         if name in _NOT_ONE_DEVICE:
             raise ValueError(f"{name} cannot be checked against one device: {_NOT_ONE_DEVICE[name]}.")
     step_options.setdefault("mask_key", None)
+    step_options.setdefault("audit", False)  # the comparison with one device sees what the audit sees, and names it
     return batches, backends, syncs
 
 

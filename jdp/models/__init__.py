@@ -2,6 +2,8 @@
 
 Models: `MLP`, `CNN` (BatchNorm; `sync_batchnorm=True` for global-batch statistics under
 shard_map/pmap), `GPT` (dropout keys passed at call time; `attention="fused"`, `remat=True`).
+Text from a GPT: `generate` (a key/value cache and a compiled decode loop; greedy, temperature,
+top-k, top-p), `greedy_reference` (the whole forward pass per token, its check).
 Each takes `dtype=`, the compute dtype (`jdp.models.dtypes.compute_dtype`: None/float32 or
 bfloat16): params float32, compute in `dtype`, logits float32.
 
@@ -28,6 +30,7 @@ import jax
 from flax import nnx
 
 from jdp.models.cnn import CNN
+from jdp.models.decode import compiled_generate, generate, greedy_reference
 from jdp.models.gpt import GPT
 from jdp.models.mlp import MLP
 from jdp.models.nnx_bridge import FunctionalModel, apply_with_state, functional
@@ -38,4 +41,5 @@ def param_count(model: nnx.Module) -> int:
     return sum(int(x.size) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
-__all__ = ["CNN", "GPT", "MLP", "FunctionalModel", "apply_with_state", "functional", "param_count"]
+__all__ = ["CNN", "GPT", "MLP", "FunctionalModel", "apply_with_state", "compiled_generate", "functional", "generate",
+           "greedy_reference", "param_count"]

@@ -194,10 +194,35 @@ class Checkpointer:
                                      f"{', '.join(map(str, damaged))} are all damaged", "remove them or use another "
                                      "--workdir.")
 
-    def close(self) -> None:
-        """Wait for the last save (and rotate), close orbax's manager and remove the glob-safe alias, if any."""
+    def newest_intact(self, step_for: Callable[[dict], tuple], log: Callable[[str], Any]) -> tuple:
+        """Read the newest checkpoint that is intact (its metadata and arrays match their sha256), without
+        changing anything on disk: a damaged one is said with `log` and skipped, left where it is.
+
+        `step_for(config)` gives `(step, like)` for the run's saved config (a dict; None in a checkpoint
+        of a jdp that did not save it): a step to place the state in and a state of it. Returns `(state, config, step_number)`; ValueError if none is intact.
+        """
+        steps = sorted(self._manager.all_steps(), reverse=True)
+        if not steps:
+            raise ValueError(f"no complete checkpoint in {self.directory!r}: train the run first (jdp train ... "
+                             f"--workdir), or name another run's directory.")
+        for number in steps:
+            try:
+                run = self.run_info(number)["run"]
+                step, like = step_for(run.get("config"))
+                restored, _ = self._restore_verified(step, like, run, number)
+            except DamagedCheckpointError as e:
+                log(f"{e.finding}; trying the one before it")
+                continue
+            return step.place(restored, like), run.get("config"), number
+        raise ValueError(f"no intact checkpoint in {self.directory!r}: checkpoints {', '.join(map(str, steps))} are "
+                         f"all damaged.")
+
+    def close(self, *, wait: bool = True) -> None:
+        """Wait for the last save (and rotate), close orbax's manager and remove the glob-safe alias, if any.
+        `wait=False` (a reader that saved nothing): close without waiting or rotating."""
         try:
-            self.wait()
+            if wait:
+                self.wait()
         finally:
             self._manager.close()
             if self._remove_alias is not None:

@@ -7,7 +7,7 @@ import os
 import sys
 
 from jdp import __version__
-from jdp.run.commands import add_configs_parser, add_data_parser, cmd_configs, cmd_data
+from jdp.run.commands import add_configs_parser, add_data_parser, add_sample_parser, cmd_configs, cmd_data, cmd_sample
 from jdp.run.exits import INTERRUPTED, run_quietly
 from jdp.run.supervisor import SUPERVISED
 
@@ -45,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_parser(sub)
     add_configs_parser(sub)
     add_data_parser(sub)
+    add_sample_parser(sub)
     memory = sub.add_parser("memory", help="bytes per device of a config's step, replicated / ZeRO-1 / FSDP",
                             description="Compile CONFIG's step in each layout (nothing is trained) and print "
                             "the state between steps and the compiled step's peak, bytes per device.")
@@ -295,7 +296,9 @@ def _print_result(result, config, workdir: str) -> None:
 
     if jax.process_index():
         return
-    evals = "  ".join(f"{k} {v:.4f}" for k, v in result.eval.items())
+    from jdp.run.metrics import eval_text
+
+    evals = eval_text(result.eval)
     if result.resumed_from == result.steps == config.train.steps:  # nothing left to train
         head = f"the run is complete ({result.steps} of {config.train.steps} steps, trained earlier)"
     else:
@@ -392,7 +395,8 @@ def _main(argv: list[str] | None) -> int:
                          num_processes=args.num_processes, init_timeout=args.init_timeout)
     try:
         return {"train": cmd_train, "explain": cmd_explain, "plot": cmd_plot, "config": cmd_config,
-                "configs": cmd_configs, "data": cmd_data, "memory": cmd_memory}[args.command](args)
+                "configs": cmd_configs, "data": cmd_data, "memory": cmd_memory,
+                "sample": cmd_sample}[args.command](args)
     except ValueError as e:  # bad input: one sentence, exit code 2, no traceback
         print(f"jdp: error: {e}", file=sys.stderr)
         return 2

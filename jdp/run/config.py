@@ -33,6 +33,7 @@ from jdp.core.options import OptionError, StepOptions
 from jdp.data.datasets import DIGITS_EXAMPLES, SEED_REGRESSIONS, held_out_count
 from jdp.run.config_sections import (ATTENTIONS, DATASETS, HOSTS, MODEL_DATA, MODELS, SECTIONS, DataConfig, ModelConfig,
                                  OptimConfig, ParallelConfig, TrainConfig, step_option_key)
+from jdp.run.prepared import prepared_data
 from jdp.run.sections import ConfigError, field_docs, parse_override, read_yaml
 from jdp.text import quoted, shorten
 
@@ -132,6 +133,8 @@ def _config_as_written(data: Mapping | None, source: str) -> Config:
                               f"got {type(values).__name__}.")
         for key in values:
             _check_key(name, key)
+        if name == "data":  # a folder prepared by jdp data prepare-tokens says vocab_size and dtype
+            values = prepared_data(values)
         sections[name] = SECTIONS[name](**values)
     return Config(**sections)
 

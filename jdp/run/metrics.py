@@ -136,7 +136,7 @@ class MetricsWriter:
                      f"lr {record['lr']:.2e}{rate}")
         evals = {k.removeprefix("eval_"): v for k, v in record.items() if k.startswith("eval_")}
         if evals:
-            self.log(f"step {s:6d}  eval " + "  ".join(f"{k} {v:.4f}" for k, v in evals.items()))
+            self.log(f"step {s:6d}  eval " + eval_text(evals))
 
     def close(self) -> None:
         """Stop the progress bar and close the files."""
@@ -155,6 +155,13 @@ class MetricsWriter:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def eval_text(evals: dict) -> str:
+    """Held-out metrics as the console shows them: `name value` pairs; a language model's loss (its
+    metrics hold a perplexity) as `loss/token`, the mean per token."""
+    per_token = "perplexity" in evals
+    return "  ".join(f"{'loss/token' if k == 'loss' and per_token else k} {v:.4f}" for k, v in evals.items())
 
 
 def _unwritable(path: str, error: OSError) -> str:
@@ -256,6 +263,7 @@ CURVES = {"loss": ("loss", "train (the logged step's batch)", False),
 
 def curves_figure(records: list[dict], name: str | None = None):
     """The matplotlib Figure `plot_metrics` saves: loss and accuracy against the optimizer step, titled `name`.
+    The loss axis says its unit: the mean per token for a language model, per example otherwise.
 
     Evaluation series, and any series of a single record, are drawn with markers: a line through
     one point is drawn as nothing (a run of one logged step, or the first eval of a long run).
@@ -274,7 +282,9 @@ def curves_figure(records: list[dict], name: str | None = None):
             marked = marked or len(pts) == 1
             panels[panel].plot(*np.array(pts).T, marker="o" if marked else None, markersize=6,
                                linestyle="--" if marked else "-", label=label, gid=key, zorder=3 if marked else 2)
-    for ax, ylabel in zip(axes, ("loss (mean per example)", "accuracy (fraction correct)")):
+    # A language model's loss is a mean per token: its records hold a perplexity, or the step's tokens (weight).
+    per = "token" if any("eval_perplexity" in r or "weight" in r for r in records) else "example"
+    for ax, ylabel in zip(axes, (f"loss (mean per {per})", "accuracy (fraction correct)")):
         ax.set(xlabel="optimizer step", ylabel=ylabel)
         ax.grid(alpha=0.3)
         if ax.lines:

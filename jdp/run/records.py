@@ -4,6 +4,7 @@ a batch that cannot be read, a stop signal), built here so that the docs' quotes
 checked against the same functions (tests/test_docs.py)."""
 from __future__ import annotations
 
+import math
 import time
 
 import jax
@@ -96,3 +97,18 @@ def train_record(m: dict, state, *, lr: float, samples: int, steps_per_s: float,
     if m["skipped"]:
         record["skipped_total"] = int(jax.device_get(state.skipped).reshape(-1)[0])
     return record
+
+
+def language_model_units(metrics: dict, bytes_per_token: float | None) -> dict:
+    """A language model's held-out `metrics` with its loss in the units language models are read in.
+
+    `loss` is the mean over every held-out token of -ln p(token) (nats per token, exact over the
+    whole set: `jdp.core.evaluate`); added: `perplexity` = exp(loss), and where the UTF-8 bytes of
+    text per token are known, `bits_per_byte` = loss / ln 2 / bytes_per_token: bits per byte of
+    text, the same unit whatever the tokenizer (bytes, characters, BPE), so such runs compare.
+    """
+    loss = metrics["loss"]
+    units = {"perplexity": math.exp(loss) if loss < 700 else math.inf}  # exp(700) ~ 1e304: float's edge
+    if bytes_per_token:
+        units["bits_per_byte"] = loss / math.log(2) / bytes_per_token
+    return {**metrics, **units}

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,7 @@ from jdp.core.step import make_train_step
 from jdp.core.weighting import Weighted
 import jdp.data as D
 from jdp.data import MASK_KEY, ArrayDataset
+from jdp.data.tokenizer import read_metadata
 from jdp.models import CNN, GPT, MLP, functional
 from jdp.run.config_sections import HOSTS
 from jdp.text import quoted, shorten
@@ -48,8 +50,9 @@ def _token_weights(batch, shape):
     return jnp.ones(shape, jnp.float32) if mask is None else jnp.broadcast_to(mask[:, None], shape)
 
 
-def _language_model(fm, description, train, test) -> Task:
-    """Per-token means: the loss and accuracy as sums over real tokens with their count (jdp.Weighted)."""
+def language_model(fm, description, train, test, bytes_per_token: float | None = None) -> Task:
+    """Per-token means: the loss and accuracy as sums over real tokens with their count (jdp.Weighted).
+    `bytes_per_token`: UTF-8 bytes of text per held-out token, for bits per byte (None: unknown)."""
     def loss_fn(params, model_state, batch, rng):
         logits, new_state = fm.apply_with_state(params, model_state, batch["x"], train=True, rngs=rng)
         w = _token_weights(batch, batch["y"].shape)
@@ -64,7 +67,8 @@ def _language_model(fm, description, train, test) -> Task:
         return {"loss": Weighted(w * optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]), w),
                 "accuracy": Weighted(w * (logits.argmax(-1) == batch["y"]), w)}
 
-    return Task(fm.params, fm.rest, loss_fn, metric_fn, train, test, description)
+    return Task(fm.params, fm.rest, loss_fn, metric_fn, train, test, description, per_token=True,
+                bytes_per_token=bytes_per_token)
 
 
 def _regression(w0, description, train, test) -> Task:
@@ -162,6 +166,33 @@ def token_files(config) -> tuple:
     return train, test or None
 
 
+def gpt_for(config, vocab_size: int, rngs: nnx.Rngs | None = None) -> GPT:
+    """The GPT `jdp train` builds for a `data.name: chars | tokens` config over `vocab_size` ids (model.*,
+    train.precision's compute dtype), initialised from `rngs` (default: nnx.Rngs(train.seed))."""
+    m = config.model
+    return GPT(vocab_size, m.context, d_model=m.d_model, n_heads=m.n_heads, n_layers=m.n_layers, dropout=m.dropout,
+               dtype=compute_dtype(config), attention=m.attention, remat=m.remat, scan_layers=m.scan_layers,
+               rngs=rngs or nnx.Rngs(config.train.seed))
+
+
+def char_bytes_per_token(corpus) -> float:
+    """UTF-8 bytes per character of the corpus's held-out text (a character is one token of the char GPT)."""
+    text = corpus.text[len(corpus.text) - len(corpus.val):]
+    return len(text.encode("utf-8")) / len(text)
+
+
+def token_bytes_per_token(val_path: str, vocab_size: int) -> float | None:
+    """UTF-8 bytes of text per token of the held-out token file `val_path`: its directory's metadata's
+    val split (bytes / tokens, `jdp.data.tokenizer.read_metadata`); without metadata, 1 where
+    vocab_size is 256 (the byte tokenizer's files: one token per byte); else None (unknown)."""
+    meta = read_metadata(os.path.dirname(os.path.abspath(val_path)))
+    if meta is None:
+        return 1.0 if vocab_size == 256 else None
+    split = (meta.get("splits") or {}).get("val") or {}
+    tokens, size = split.get("tokens"), split.get("bytes")
+    return size / tokens if tokens and size else None
+
+
 def build_task(config) -> Task:
     """The task a `jdp.config.Config` describes (model × dataset), initialised from train.seed.
 
@@ -179,16 +210,13 @@ def build_task(config) -> Task:
         corpus = D.load_char_corpus()
         train = D.char_windows(corpus.train, m.context, stride=m.context // 2)
         test = D.char_windows(corpus.val, m.context, stride=m.context)
-        model = GPT(corpus.vocab_size, m.context, d_model=m.d_model, n_heads=m.n_heads, n_layers=m.n_layers,
-                    dropout=m.dropout, dtype=dtype, attention=m.attention, remat=m.remat,
-                    scan_layers=m.scan_layers, rngs=rngs)
-        return _language_model(functional(model), f"char GPT ({corpus.vocab_size} symbols)", train, test)
+        return language_model(functional(gpt_for(config, corpus.vocab_size, rngs)),
+                               f"char GPT ({corpus.vocab_size} symbols)", train, test, char_bytes_per_token(corpus))
     if d.name == "tokens":
         train, test = token_files(config)
-        model = GPT(d.vocab_size, m.context, d_model=m.d_model, n_heads=m.n_heads, n_layers=m.n_layers,
-                    dropout=m.dropout, dtype=dtype, attention=m.attention, remat=m.remat,
-                    scan_layers=m.scan_layers, rngs=rngs)
-        return _language_model(functional(model), f"GPT on tokens {quoted(d.path)} ({d.vocab_size} ids)", train, test)
+        return language_model(functional(gpt_for(config, d.vocab_size, rngs)),
+                               f"GPT on tokens {quoted(d.path)} ({d.vocab_size} ids)", train, test,
+                               d.val_path and token_bytes_per_token(d.val_path, d.vocab_size))
     if d.name == "digits":
         x, y, xt, yt = D.load_digits(d.test_fraction, images=m.name == "cnn")
         train, test = ArrayDataset({"x": x, "y": y}), ArrayDataset({"x": xt, "y": yt})
