@@ -776,6 +776,16 @@ MUTANTS = [
     Mutant("axis_rules_ignored", "core/annotations.py",
            "axis = axis_rules.get(name, name if name in sizes else None)", "axis = name if name in sizes else None",
            ("tests/test_annotations.py::test_annotations_under_jit_map_through_axis_rules_and_the_rest_is_replicated",)),
+    # jdp explain under backend="jit": the per-device parts skipped, the seeds' psum rows left out
+    Mutant("explain_jit_runs_the_per_device_parts", "inspect/explain.py",
+           '    if backend == "jit":\n        runs.update(', '    if backend == "jit" and False:\n        runs.update(',
+           ("tests/test_explain.py::test_explain_under_jit_runs_the_seed_and_says_the_per_device_parts_are_skipped",)),
+    Mutant("explain_jit_seed_sums_per_device", "inspect/explain.py",
+           'per_device = {} if backend == "jit" else {', 'per_device = {} if backend == "pmap!" else {',
+           ("tests/test_explain.py::test_explain_under_jit_runs_the_seed_and_says_the_per_device_parts_are_skipped",)),
+    Mutant("explain_jit_tokens_keep_the_psum_runs", "inspect/explain_tokens.py",
+           'for r in RUNS if "reduction" not in r[4]]', 'for r in RUNS]',
+           ("tests/test_explain.py::test_token_normalisations_under_jit_the_batchs_own_count_is_exact",)),
     # issue 40: sampling and eval units
     Mutant("decode_cache_slot_off_by_one", "models/decode.py",
            "logits, cache = forward_cached(model, previous, cache, p + i - 1, first)",

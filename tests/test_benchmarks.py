@@ -187,6 +187,22 @@ def test_gpu_check_dry_run_writes_one_report(tmp_path):
         comm["program_allreduce_bytes"]["float32"]
 
 
+def test_global_view_quick_writes_the_side_by_side_table(tmp_path):
+    """`python -m benchmarks.global_view --quick`: every model x layout row, both backends' reports,
+    and the two backends' params agree (no timing asserted: the ratio is machine-dependent)."""
+    out = tmp_path / "global_view.md"
+    r = subprocess.run([sys.executable, "-m", "benchmarks.global_view", "--quick", "--out", str(out)], cwd=ROOT,
+                       env=child_env(), capture_output=True, text=True, timeout=900)  # a hang, not a slow machine
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    rows = [line.split(" | ") for line in out.read_text().splitlines() if line.startswith(("| MLP", "| GPT"))]
+    assert [(row[0][2:], row[1]) for row in rows] == [(model, layout) for model in ("MLP 64-128-10", "GPT 1x16")
+                                                       for layout in ("replicated", "zero1", "fsdp")]
+    for row in rows:
+        assert "all-reduce" in row[4] and "all-reduce" in row[5] and float(row[8]) > 0
+        assert float(row[9]) <= 1e-3  # jit vs shard_map after 2 Adam steps: rounding, not another step
+    assert all("reduce-scatter" in row[4] for row in rows if row[1] != "replicated")  # jdp's own, per device
+
+
 def test_the_partitioners_pinned_forward_is_the_gpts():
     """benchmarks.fsdp_layers pins the residual stream of the partitioner's GPT through its own forward:
     the same logits as the model's, with the pin, on 8 devices."""

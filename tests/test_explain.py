@@ -164,3 +164,41 @@ def test_cli_rejects_bad_plot_path():
     r = subprocess.run([sys.executable, "-m", "jdp.run.cli", "explain", "--plot", "out.txt"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "must name a .png file" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_explain_under_jit_runs_the_seed_and_says_the_per_device_parts_are_skipped(monkeypatch, capsys):
+    """`jdp explain --backend jit`: the seed's one-device and mean rows come from the jit step (the
+    numbers worked by hand), the psum rows and the parts that compare per-device reductions are
+    skipped in one line each (a psum under jit would be refused), the rest runs."""
+    import jdp.run.cli
+
+    monkeypatch.setattr(ex, "deviation_matrix", lambda ns, backend, progress=None: [
+        {"optimizer": "sgd", "clip": False, "clip_norm": None, "reduction": "mean", "devices": 2,
+         "max_abs_dparam": 0.0}])
+    monkeypatch.setattr(ex.explain_tokens, "token_normalisations", lambda n, progress=None, backend="shard_map": {
+        "devices": n, "rows": 0, "tokens_per_device": [], "steps": 0, "reference_loss": 0.0, "runs": []})
+    assert jdp.run.cli.main(["explain", "--json", "--devices", "2", "--backend", "jit"]) == 0
+    results = json.loads(capsys.readouterr().out)
+    assert results["backend"] == "jit"
+    seed = results["seed_single_param"]
+    assert "sum" not in seed and "sum_lr_over_n" not in seed
+    assert_seed(seed, {key: SEED_1[key] for key in ("one_device", "local_grads", "mean")})
+    assert_seed(results["seed_two_params"], {key: SEED_2[key] for key in ("one_device", "local_grads", "mean")})
+    assert all(results[key] == {"skipped": ex.SKIPPED_UNDER_JIT} for key in ex.PER_DEVICE_PARTS)
+    console = Console(file=io.StringIO(), width=200)
+    ex.render(results, console)
+    text = console.file.getvalue()
+    assert "fp16 overflow: skipped under backend='jit'" in text and "sum (psum): skipped under backend='jit'" in text
+    assert "Adam (ε" not in text and "Clipping:" not in text
+
+
+def test_token_normalisations_under_jit_the_batchs_own_count_is_exact():
+    """Under backend="jit" the loss divided by its batch's own count is the global token mean on N
+    devices; dividing each micro-batch by its own count still is not; the psum runs are left out."""
+    from jdp.inspect import explain_tokens
+
+    runs = {r["run"]: r["max_abs_dparam"] for r in explain_tokens.token_normalisations(4, backend="jit")["runs"]}
+    assert list(runs) == [explain_tokens.JIT_LABELS[explain_tokens.RUNS[0][0]],
+                          "own count per micro-batch (1 device, M=2)", "jdp.Weighted, N devices × M=2"]
+    own, micro, weighted = runs.values()
+    assert own <= 1e-6 and weighted <= 1e-6 and micro > 1e-3

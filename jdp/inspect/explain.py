@@ -36,6 +36,20 @@ REDUCTIONS = {  # name -> (reduction, lr_correction)
 }
 
 
+# Under backend="jit" the loss sees the whole batch and the partitioner places the all-reduce, so
+# there is no per-device gradient to sum or to send in another dtype: these parts compare
+# per-device reductions and do not apply. The seeds, the matrix (its mean rows) and the token
+# normalisations run: they are the exactness checks.
+SKIPPED_UNDER_JIT = ("skipped under backend='jit': it compares per-device reductions (psum, pmean, reduce_dtype), "
+                     "and the global view has none")
+PER_DEVICE_PARTS = ("bf16_comm", "adam_eps", "clipping", "fp16")
+
+
+def reductions(backend: str) -> dict:
+    """The matrix's reductions under `backend`: all of REDUCTIONS, or the mean alone under "jit"."""
+    return {"mean": REDUCTIONS["mean"]} if backend == "jit" else REDUCTIONS
+
+
 def _mse(params, batch):
     """Mean squared error of y = x·w (or w·x for scalar w) over the examples given."""
     x = batch["x"]
@@ -58,14 +72,16 @@ def _grad(x, t, w, n, reduction="mean", backend="shard_map"):
 def _seed(x, t, w, lr, n, backend):
     shards = np.split(np.arange(len(x)), n)
     r = lambda a: np.round(a, 4).tolist()  # noqa: E731  (float32 steps: 4 decimals are exact)
+    per_device = {} if backend == "jit" else {  # a per-device sum: the global view has none (SKIPPED_UNDER_JIT)
+        "sum": {"grad": r(_grad(x, t, w, n, "sum", backend)),
+                "w": r(_step_once(x, t, w, lr, n, "sum", "none", backend))},
+        "sum_lr_over_n": {"lr": lr / n, "w": r(_step_once(x, t, w, lr, n, "sum", "auto", backend))}}
     return {
         "w0": r(np.asarray(w, np.float64)), "lr": lr, "devices": n,
         "one_device": {"grad": r(_grad(x, t, w, 1, backend=backend)), "w": r(_step_once(x, t, w, lr, 1, backend=backend))},
         "local_grads": [r(_grad(x[s], t[s], w, 1, backend=backend)) for s in shards],
         "mean": {"grad": r(_grad(x, t, w, n, backend=backend)), "w": r(_step_once(x, t, w, lr, n, backend=backend))},
-        "sum": {"grad": r(_grad(x, t, w, n, "sum", backend)),
-                "w": r(_step_once(x, t, w, lr, n, "sum", "none", backend))},
-        "sum_lr_over_n": {"lr": lr / n, "w": r(_step_once(x, t, w, lr, n, "sum", "auto", backend))},
+        **per_device,
     }
 
 
@@ -112,7 +128,7 @@ def deviation_matrix(ns=(2, 4, 8), backend: str = "shard_map", problem: Problem 
     for k, ((name, clipped), spec) in enumerate(specs.items(), 1):
         _tell(progress, k, len(specs), f"{name}, clip {'on' if clipped else 'off'}")
         reference, _ = train_problem(problem, spec, "mean", None, 1, backend)
-        for label, (reduction, correction) in REDUCTIONS.items():
+        for label, (reduction, correction) in reductions(backend).items():
             for n in ns:
                 params, _ = train_problem(problem, spec, reduction, correction, n, backend)
                 rows.append({"optimizer": name, "clip": clipped, "clip_norm": clip if clipped else None,
@@ -230,7 +246,9 @@ def explain(ns=(2, 4, 8), backend: str = "shard_map", progress: Callable[[Progre
             "adam_eps": lambda row: adam_eps_sweep(n, backend=backend, progress=row),
             "clipping": lambda row: clipping_rates(n, backend=backend, progress=row),
             "fp16": lambda row: fp16_overflow(n),
-            "tokens": lambda row: explain_tokens.token_normalisations(min(n, 4), progress=row)}
+            "tokens": lambda row: explain_tokens.token_normalisations(min(n, 4), progress=row, backend=backend)}
+    if backend == "jit":
+        runs.update({key: lambda row: {"skipped": SKIPPED_UNDER_JIT} for key in PER_DEVICE_PARTS})
     results = {}
     try:
         for number, (key, run) in enumerate(runs.items(), 1):
@@ -271,6 +289,10 @@ def _seed_table(title: str, seed: dict):
     t.add_row(f"1 device, whole batch (lr {lr})", fmt(seed["one_device"]["grad"]), fmt(seed["one_device"]["w"]))
     for i, g in enumerate(seed["local_grads"]):
         t.add_row(f"  device {i + 1}, its shard only", fmt(g), "")
+    if "sum" not in seed:  # backend="jit": the loss's own mean over the whole batch, and no psum
+        t.add_row(f"{n} devices, the global batch's mean", fmt(seed["mean"]["grad"]), fmt(seed["mean"]["w"]))
+        t.add_row(f"{n} devices, sum (psum): {SKIPPED_UNDER_JIT.split(':')[0]}", "", "")
+        return t
     t.add_row(f"{n} devices, mean (pmean)", fmt(seed["mean"]["grad"]), fmt(seed["mean"]["w"]))
     t.add_row(f"{n} devices, sum (psum)", fmt(seed["sum"]["grad"]), fmt(seed["sum"]["w"]))
     t.add_row(f"{n} devices, sum with lr/{n} = {seed['sum_lr_over_n']['lr']:g}", "", fmt(seed["sum_lr_over_n"]["w"]))
@@ -301,28 +323,34 @@ def render(results: dict, console=None) -> None:
     console.print(_seed_table(f"Seed 1: y = w·x, MSE, w = {one['w0']:g}", one))
     console.print(_seed_table(f"Seed 2: y = w1·x1 + w2·x2, MSE, w = ({', '.join(map(str, two['w0']))})", two))
     console.print(_matrix_table(results["matrix"]))
-    explain_precision.render_bf16_communication(results["bf16_comm"], console)
+    for key in PER_DEVICE_PARTS:
+        if "skipped" in results[key]:
+            console.print(f"{PARTS[key]}: {results[key]['skipped']}")
+    if "skipped" not in results["bf16_comm"]:
+        explain_precision.render_bf16_communication(results["bf16_comm"], console)
 
-    right = ("loss ×", "RMS gradient", "|Δ(sum) − Δ(mean)| / |Δ(mean)|")
-    t = table("Adam (ε = 1e-8): raw sum vs mean as gradients shrink towards ε", *right, right=right)
-    for r in results["adam_eps"]:
-        t.add_row(f"{r['loss_scale']:g}", f"{r['rms_grad']:.1e}", f"{r['relative_deviation']:.2e}")
-    console.print(t)
+    if "skipped" not in results["adam_eps"]:
+        right = ("loss ×", "RMS gradient", "|Δ(sum) − Δ(mean)| / |Δ(mean)|")
+        t = table("Adam (ε = 1e-8): raw sum vs mean as gradients shrink towards ε", *right, right=right)
+        for r in results["adam_eps"]:
+            t.add_row(f"{r['loss_scale']:g}", f"{r['rms_grad']:.1e}", f"{r['relative_deviation']:.2e}")
+        console.print(t)
+    if "skipped" not in results["clipping"]:
+        right = ("reduction", "threshold compared", "median norm seen", "clipped steps")
+        t = table("Clipping: steps clipped at one max-norm (SGD + clip_by_global_norm)", *right, right=right)
+        for r in results["clipping"]:
+            t.add_row(r["reduction"], f"{r['clip_norm']:g}", f"{r['median_grad_norm_seen']:.3f}",
+                      f"{r['clipped_steps']} of {r['steps']}")
+        console.print(t)
+    if "skipped" not in results["fp16"]:
+        f = results["fp16"]
+        t = table(f"fp16: {f['devices']} devices' gradients {f['per_device_grads'][0]:g}..{f['per_device_grads'][-1]:g} "
+                  f"(fp16 max {f['fp16_max']:g}; true mean {f['true_mean']:g})", "reduction", "result", right=("result",))
+        t.add_row("psum", str(f["psum"]))
+        t.add_row("lax.pmean (sum, then divide)", str(f["lax_pmean"]))
+        t.add_row("jdp mean (divide, then sum)", str(f["jdp_mean_divide_first"]))
+        console.print(t)
 
-    right = ("reduction", "threshold compared", "median norm seen", "clipped steps")
-    t = table("Clipping: steps clipped at one max-norm (SGD + clip_by_global_norm)", *right, right=right)
-    for r in results["clipping"]:
-        t.add_row(r["reduction"], f"{r['clip_norm']:g}", f"{r['median_grad_norm_seen']:.3f}",
-                  f"{r['clipped_steps']} of {r['steps']}")
-    console.print(t)
-
-    f = results["fp16"]
-    t = table(f"fp16: {f['devices']} devices' gradients {f['per_device_grads'][0]:g}..{f['per_device_grads'][-1]:g} "
-              f"(fp16 max {f['fp16_max']:g}; true mean {f['true_mean']:g})", "reduction", "result", right=("result",))
-    t.add_row("psum", str(f["psum"]))
-    t.add_row("lax.pmean (sum, then divide)", str(f["lax_pmean"]))
-    t.add_row("jdp mean (divide, then sum)", str(f["jdp_mean_divide_first"]))
-    console.print(t)
     if "tokens" in results:
         explain_tokens.render_token_normalisations(results["tokens"], console, table)
     console.print("\n[bold]Conclusion.[/bold] " + results["conclusion"])

@@ -128,8 +128,10 @@ def _add_explain_parser(sub) -> None:
     explain.add_argument("--json", action="store_true",
                          help="print the results as JSON on stdout instead (progress goes to stderr)")
     explain.add_argument("--plot", metavar="FILE.png", help="also save a plot of deviation vs N (needs matplotlib)")
-    explain.add_argument("--backend", choices=("shard_map", "pmap"), default="shard_map",
-                         help="the step's backend (default shard_map)")
+    explain.add_argument("--backend", choices=("shard_map", "pmap", "jit"), default="shard_map",
+                         help="the step's backend (default shard_map); under jit, the parts that compare "
+                         "per-device reductions (psum, bf16 communication, Adam's ε, clipping, fp16) say they "
+                         "are skipped, and the exactness parts run")
     explain.add_argument("--devices", type=_device_list, default=(2, 4, 8), metavar="N,N,...",
                          help="device counts of the matrix (default 2,4,8)")
 
