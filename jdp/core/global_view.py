@@ -31,9 +31,9 @@ import jax
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jdp.core.annotations import mapped_specs, say_once
+from jdp.core.annotations import explicit_axes, mapped_specs, say_once
 from jdp.core.layouts import ShardMapLayout, state_tree
-from jdp.core.mesh import batch_sharded, data_axes, replicated
+from jdp.core.mesh import data_axes, replicated
 from jdp.core.state import TrainState
 from jdp.core.zero import Cuts, spec
 
@@ -62,14 +62,19 @@ class JitLayout(ShardMapLayout):
     global_view = True  # the loss sees the global batch: its values need no reduction over devices
     weight_devices = 1  # a reduced weight is the global weight already (shard_map: N × the mean)
 
-    def __init__(self, mesh, accum: str | None, optimizer: optax.GradientTransformation, shard: str | None = None):
+    def __init__(self, mesh, accum: str | None, optimizer: optax.GradientTransformation, shard: str | None = None,
+                 data_axis: str | None = None):
         super().__init__(mesh, accum)
         self.axis = None  # no axis is bound inside the step: nothing in it may name one
         self.optimizer, self.shard, self.cuts, self._device_step, self._jitted = optimizer, shard, None, None, None
-        self.batch = batch_sharded(mesh)
-        self.shard_axis = mesh.axis_names[-1]  # the state is split along the mesh's last axis (hybrid: "shard")
+        # the batch's axes: jdp's mesh's (all of them), or on a caller's mesh (`users_mesh`) its batch axis
+        self.data_axes = data_axes(mesh) if data_axis is None else data_axis
+        self.batch = NamedSharding(mesh, P(self.data_axes))
+        # the state is split along jdp's mesh's last axis (hybrid: "shard"), or a caller's mesh's batch axis
+        self.shard_axis = mesh.axis_names[-1] if data_axis is None else data_axis
         self.group = mesh.shape[self.shard_axis]
         self.annotations, self.rules = None, {}  # the params' own sharding annotations (`annotate`)
+        self.explicit = explicit_axes(mesh)  # a caller's mesh with Explicit axes: the annotations are types
 
     def annotate(self, annotations, rules: dict) -> None:
         """Lay the params out as their sharding annotations say, mapped by `rules` (`jdp.core.annotations`)."""
@@ -105,11 +110,16 @@ class JitLayout(ShardMapLayout):
             return False
         if self.annotations is not None:
             param_specs, lacking = mapped_specs(params, self.annotations, self.rules, self.mesh,
-                                                self.shard == "params", self.shard_axis)
+                                                self.shard == "params", self.shard_axis, self.explicit)
             if lacking:
                 say_once(f"backend='jit' replicates the params' annotated axes {', '.join(map(repr, lacking))}, which "
                          f"its mesh {dict(self.mesh.shape)} lacks; axis_rules={{{lacking[0]!r}: "
                          f"{self.shard_axis!r}}} would split along one.")
+            if self.explicit and self.shard is not None:
+                say_once(f"on the mesh {dict(self.mesh.shape)}, whose Explicit axes make a sharding part of an "
+                         f"array's type, the annotated params and their optimizer state lie as the annotations "
+                         f"say (their split over {self.shard_axis!r} is the FSDP); shard_params and "
+                         f"shard_optimizer_state split only the unannotated leaves.")
         else:
             param_specs = cuts.specs() if self.shard == "params" else jax.tree.map(lambda _: P(), params)
         split = cuts.treedef.flatten_up_to(param_specs)
@@ -119,8 +129,8 @@ class JitLayout(ShardMapLayout):
         def opt_spec(x, i):  # an optimizer state leaf shaped like its param lies as that param does
             if x.shape != cuts.leaves[i].shape:
                 return P()
-            if any(a is not None for a in split[i]) or self.shard is None:
-                return split[i]
+            if any(a is not None for a in split[i]) or self.shard is None or self.explicit:
+                return split[i]  # Explicit axes: the update mixes it with the param, whose type it must share
             return spec(cuts.dims[i], len(x.shape), self.shard_axis)  # ZeRO-1: split though the param is whole
 
         opt_specs = optax.tree_map_params(self.optimizer, opt_spec, opt_struct, index,
@@ -150,7 +160,7 @@ class JitLayout(ShardMapLayout):
             raise ValueError("the step's state is sharded by the params' shapes: make the state with "
                              "step.init(params) first.")
         if self._jitted is None:
-            pin, step = NamedSharding(self.mesh, P(data_axes(self.mesh))), self._device_step
+            pin, step = self.batch, self._device_step
 
             def traced(state, batch):
                 token = _PIN.set(pin)
