@@ -232,6 +232,6 @@ def test_the_port_through_jit_with_annotations_equals_the_examples_step_on_one_d
     assert norm.sharding.spec == P("tensor")  # whole: a split would change the type the model's code expects
     said = capsys.readouterr().err
     assert said.count("jdp: ") == (1 if options.get("shard_params") else 0)
-    assert ("shard_params and shard_optimizer_state split only the unannotated leaves" in said) == (
+    assert ("shard_params and shard_optimizer_state add no split of their own" in said) == (
         "shard_params" in options)
     print(f"\n{mode}: params Δ {d:.1e} vs the example's step on one device")

@@ -65,7 +65,7 @@ def mapped_specs(params, annotations, axis_rules: dict, mesh, shard_params: bool
     mapped annotation splits nothing follows jdp's layout (`split_dim` over `shard_axis` with
     shard_params, else replicated). `explicit` (a mesh with Explicit axes, where a sharding is part of
     an array's type and the model's code is written for its annotations): every annotated leaf keeps
-    its annotation, and only unannotated leaves follow jdp's layout.
+    its annotation and the others are replicated; jdp's own split would change the types.
     """
     sizes, lacking = jdp_axes(mesh), []
     leaves, treedef = jax.tree.flatten(params)
@@ -83,7 +83,7 @@ def mapped_specs(params, annotations, axis_rules: dict, mesh, shard_params: bool
             out.append(axis if axis is not None and axis not in out and shape[dim] % sizes[axis] == 0 else None)
         if any(out) or (explicit and note is not None):  # Explicit axes: the spec is the leaf's type, kept
             specs.append(P(*out))
-        elif shard_params and not (explicit and note is not None):
+        elif shard_params and not explicit:
             k = split_dim(shape, sizes[shard_axis])
             specs.append(P() if k < 0 else P(*([None] * k), shard_axis, *([None] * (len(shape) - k - 1))))
         else:

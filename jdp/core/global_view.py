@@ -117,9 +117,9 @@ class JitLayout(ShardMapLayout):
                          f"{self.shard_axis!r}}} would split along one.")
             if self.explicit and self.shard is not None:
                 say_once(f"on the mesh {dict(self.mesh.shape)}, whose Explicit axes make a sharding part of an "
-                         f"array's type, the annotated params and their optimizer state lie as the annotations "
-                         f"say (their split over {self.shard_axis!r} is the FSDP); shard_params and "
-                         f"shard_optimizer_state split only the unannotated leaves.")
+                         f"array's type, the params and their optimizer state lie as the annotations say (their "
+                         f"split over {self.shard_axis!r} is the FSDP): shard_params and shard_optimizer_state "
+                         f"add no split of their own, which would change the types the model is written for.")
         else:
             param_specs = cuts.specs() if self.shard == "params" else jax.tree.map(lambda _: P(), params)
         split = cuts.treedef.flatten_up_to(param_specs)
