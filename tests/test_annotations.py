@@ -146,13 +146,14 @@ class ExplicitNet(nnx.Module):
 
 
 def train_explicit(mesh, **options):
-    """Made under `jax.set_mesh(mesh)` and trained there, through jdp on that mesh (`mesh=`)."""
+    """Made under `jax.set_mesh(mesh)`, trained through jdp on that mesh (`mesh=`); the calls outside
+    the context, as the step sets the mesh itself (the model's code reads it from the context)."""
     with jax.set_mesh(mesh):
         model = ExplicitNet(nnx.Rngs(0))
         step = jdp.nnx.make_train_step(model, loss, optax.sgd(0.5), backend="jit", mesh=mesh, **options)
-        state = step.init()
-        for micro in DATA:
-            state, _ = step(state, micro)
+    state = step.init()
+    for micro in DATA:
+        state, _ = step(state, micro)
     return state, jdp.get_params(state)
 
 
@@ -211,3 +212,21 @@ def test_a_mesh_with_two_wide_axes_needs_the_batch_axis_named():
     step = jdp.make_train_step(lambda p, b: jnp.sum(p["w"]), optax.sgd(0.1), backend="jit", mesh=mesh,
                                axis_name="cols")
     assert step.layout.batch.spec == P("cols")
+
+
+def test_on_a_callers_auto_mesh_shard_params_splits_the_unannotated_leaves_too(one_device):
+    """Auto axes (`Mesh(devices, names)`): the partitioner places everything, so jdp's FSDP split of the
+    leaves the annotations leave whole is free to add; the batch goes over the one axis of 4 devices."""
+    from jax.sharding import Mesh
+
+    mesh = Mesh(np.array(DEV).reshape(4, 1), ("mlp", "embed"))
+    with jax.set_mesh(model_mesh()):
+        model = Net(nnx.Rngs(0))
+    step = jdp.nnx.make_train_step(model, loss, optax.sgd(0.5), backend="jit", mesh=mesh, shard_params=True)
+    state = step.init()
+    for batch in DATA:
+        state, _ = step(state, batch)
+    assert max_abs_diff(jdp.get_params(state), one_device) <= 2e-6
+    assert step.layout.batch.spec == P("mlp")
+    assert state.params["l0"]["kernel"].sharding.spec == P("embed", "mlp")  # its annotation, on this mesh
+    assert state.params["l0"]["bias"].sharding.spec == P("mlp")  # unannotated: FSDP's split_dim
