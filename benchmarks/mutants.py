@@ -912,7 +912,10 @@ MUTANTS = [
     Mutant("users_mesh_batch_over_a_size_one_axis", "core/mesh.py",
            "wide = [a for a in mesh.axis_names if mesh.shape[a] > 1]",
            "wide = list(mesh.axis_names)",
-           ("tests/test_annotations.py::test_a_model_for_an_explicit_mesh_of_its_own_axis_names_runs_on_it_under_jit[jit-fsdp]",)),
+           ("tests/test_annotations.py::test_a_model_for_an_explicit_mesh_of_its_own_axis_names_runs_on_it_under_jit[jit-fsdp]",)),    Mutant("jit_missing_axis_left_to_jax", "core/global_view.py",
+           "if found is None or found.group(1) in self.layout.mesh.axis_names:",
+           "if True:",  # JAX's "Resource axis ... not found in mesh", which does not say to pass mesh=
+           ("tests/test_annotations.py::test_a_model_that_names_its_own_meshs_axes_on_jdps_mesh_is_told_to_pass_mesh",)),
 ]
 
 

@@ -217,6 +217,7 @@ QUICK = (
     "test_annotations.py::test_on_a_callers_auto_mesh_shard_params_splits_the_unannotated_leaves_too",
     "test_annotations.py::test_a_mesh_jdp_cannot_run_on_is_refused_in_one_sentence",
     "test_annotations.py::test_a_mesh_with_two_wide_axes_needs_the_batch_axis_named",
+    "test_annotations.py::test_a_model_that_names_its_own_meshs_axes_on_jdps_mesh_is_told_to_pass_mesh",
 )
 
 

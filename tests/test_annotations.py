@@ -230,3 +230,15 @@ def test_on_a_callers_auto_mesh_shard_params_splits_the_unannotated_leaves_too(o
     assert step.layout.batch.spec == P("mlp")
     assert state.params["l0"]["kernel"].sharding.spec == P("embed", "mlp")  # its annotation, on this mesh
     assert state.params["l0"]["bias"].sharding.spec == P("mlp")  # unannotated: FSDP's split_dim
+
+
+def test_a_model_that_names_its_own_meshs_axes_on_jdps_mesh_is_told_to_pass_mesh():
+    mesh = jax.make_mesh((4, 1), ("rows", "cols"), devices=DEV)
+    with jax.set_mesh(mesh):
+        model = ExplicitNet(nnx.Rngs(0))
+        step = jdp.nnx.make_train_step(model, loss, optax.sgd(0.5), backend="jit", devices=DEV)  # no mesh=
+        state = step.init()
+        with pytest.raises(ValueError, match=r"the model names the mesh axis 'rows', which the step's mesh "
+                                             r"\{'data': 4\} lacks; run the step on the mesh the model was written "
+                                             r"for with make_train_step\(\.\.\., backend='jit', mesh=that_mesh\)\."):
+            step(state, DATA[0])

@@ -26,6 +26,7 @@ so the masks are one device's.
 from __future__ import annotations
 
 import contextvars
+import re
 
 import jax
 import optax
@@ -181,7 +182,15 @@ class _BoundStep:
         self.layout = layout
 
     def __call__(self, state, batch):
-        return self.layout.jitted()(state, batch)
+        try:
+            return self.layout.jitted()(state, batch)
+        except ValueError as e:  # the model's own code names an axis of the mesh it was written for
+            found = re.match(r"Resource axis: (\w+) of .* is not found in mesh", str(e))
+            if found is None or found.group(1) in self.layout.mesh.axis_names:
+                raise
+            raise ValueError(f"the model names the mesh axis {found.group(1)!r}, which the step's mesh "
+                             f"{dict(self.layout.mesh.shape)} lacks; run the step on the mesh the model was "
+                             f"written for with make_train_step(..., backend='jit', mesh=that_mesh).") from e
 
     def lower(self, state, batch):
         return self.layout.jitted().lower(state, batch)
