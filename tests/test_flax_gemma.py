@@ -17,10 +17,14 @@ aside, each marked `# jdp`: 5 —
   2. it returns `mean_loss` alone (its aux, per-row losses and logits, are arrays; jdp's aux are
      scalars), or for accumulation `jdp.Weighted(mean_loss * weights.sum(), weights.sum())` (the
      same value as a sum over the batch's real tokens and their count),
-  3. `jdp.nnx.make_train_step(model, loss_fn, optimizer, ...)` replaces `jit_fn(jax_train_step, ...)`,
+  3. `jdp.nnx.make_train_step(model, loss_fn, optimizer, ...)` replaces `jit_fn(jax_train_step, ...)`;
+     through jit its options name the example's own mesh (`mesh=mesh`): the step runs on it, the
+     batch split over its "fsdp", the params as their annotations say,
   4. `state = step.init()` makes the step's state from the model and the optimizer,
   5. `state, metrics = step(state, batch)` replaces `jit_train_step(model, optimizer, rngs, ...)` and
      `nnx.update(...)`.
+Counted as the lines marked so (`grep -c 'jdp ([1-5])$' tests/test_flax_gemma.py`: 5); the dict of
+the run's options (devices, mesh, the mode's options) is the test's, as the example's config is.
 Reading the params for the comparison (`jdp.get_params(state)`) is the test's, as
 `nnx.state(model, nnx.Param)` is on the reference's side.
 

@@ -22,6 +22,12 @@ device holds whole params, so the annotations are set aside, said once. Either w
 lie on another mesh (a model made under `jax.set_mesh`) are brought to the host once, at `init`,
 and the step runs on its own mesh inside a caller's `jax.set_mesh` (shard_map and jit refuse a
 context mesh other than theirs).
+
+`make_train_step(..., backend="jit", mesh=mesh)` runs the step on the caller's mesh instead
+(`jdp.core.mesh.users_mesh`): the annotations' names that are its axes map to themselves. On a
+mesh with Explicit axes a sharding is part of an array's type, and the model's code (an einsum's
+`out_sharding`, a `reshard`) is written for its annotations: every annotated leaf keeps its
+annotation, the others are replicated, and shard_params adds no split of its own.
 """
 from __future__ import annotations
 

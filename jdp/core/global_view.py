@@ -6,7 +6,8 @@ does (Flax's NNX language model example, MaxText, Levanter). The loss sees all N
 so a per-token mean over the whole batch (the summed token loss divided by the batch's real tokens)
 is exact with no `jdp.Weighted`. Where the values lie is said with `NamedSharding`s:
 
-- the batch: split along its first axis over every device (hybrid: over both mesh axes);
+- the batch: split along its first axis over every device (hybrid: over both mesh axes; on a
+  caller's mesh, `make_train_step(mesh=...)`, over its batch axis: `jdp.core.mesh.users_mesh`);
 - the state: replicated; with `shard_optimizer_state` (ZeRO-1) every optimizer state leaf shaped
   like its param split along that param's `jdp.core.zero.split_dim`; with `shard_params` (FSDP)
   the params so split too; with `replicas` > 1 split over the "shard" axis only;
