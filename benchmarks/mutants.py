@@ -764,7 +764,7 @@ MUTANTS = [
            "        annotations = param_annotations(copy)\n", "        annotations = None\n",
            ("tests/test_annotations.py::test_annotations_are_set_aside_under_shard_map_and_pmap_and_said_once",)),
     Mutant("callers_mesh_not_set_aside", "core/annotations.py",
-           "    if current.empty or current == mesh.abstract_mesh:", "    if True:",
+           "    if current == mesh.abstract_mesh or (current.empty and not explicit_axes(mesh)):", "    if True:",
            ("tests/test_annotations.py::test_annotations_are_set_aside_under_shard_map_and_pmap_and_said_once",)),
     Mutant("axis_rules_not_refused_off_jit", "core/options.py",
            'if rules and self.backend != "jit":', "if False:",
