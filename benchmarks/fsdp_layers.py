@@ -7,7 +7,14 @@ in float32, 4 sequences of 128 tokens per device:
 - replicated, ZeRO-1 (`shard_optimizer_state`), FSDP gathering the whole model (`shard_params`);
 - FSDP with the model gathering each layer inside its scan body (`gather_in_model=True`);
 - the partitioner's FSDP: `jax.jit` with every params and optimizer leaf in a `NamedSharding`
-  split as jdp splits it (what MaxText and Levanter do), the same scanned, rematerialised model.
+  split as jdp splits it, the same scanned, rematerialised model, its residual stream pinned
+  batch-sharded (`jax.lax.with_sharding_constraint(x, P("data"))` after the embedding and after each
+  block, as MaxText and Levanter do); without the pin GSPMD carries the params' split into the
+  activations and gathers far more (the row "partitioner_unpinned", kept to show it);
+- jdp's `backend="jit"` with `shard_params=True`, when `"jit"` is in `jdp.core.options.BACKENDS`
+  (the row says "not available" otherwise).
+
+Each FSDP row also counts the compiled step's all-gathers, reduce-scatters and all-reduces and their bytes.
 
 The peak is XLA's memory analysis of the compiled step: arguments + outputs − aliased + temporaries.
 Each size is compiled (never run: the state is abstract) in a fresh process, with a timeout:
@@ -34,6 +41,22 @@ COMMON = dict(vocab=256, context=128, n_heads=4, per_device=4)
 LAYOUTS = {"replicated": {}, "zero1": {"shard_optimizer_state": True}, "fsdp_whole": {"shard_params": True},
            "fsdp_layers": {"shard_params": True, "gather_in_model": True}}
 N = 8
+# The partitioner's FSDP, with and without the residual stream pinned batch-sharded.
+PARTITIONERS = {"partitioner": True, "partitioner_unpinned": False}
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce")
+
+
+def jit_layout() -> dict | None:
+    """jdp's jit backend under FSDP, where this jdp has it (None otherwise)."""
+    from jdp.core.options import BACKENDS
+
+    return {"backend": "jit", "shard_params": True} if "jit" in BACKENDS else None
+
+
+def jdp_layouts() -> dict:
+    """The layouts run through `jdp.make_train_step`: LAYOUTS, and "jit" where jdp has that backend."""
+    jit = jit_layout()
+    return {**LAYOUTS, **({"jit": jit} if jit else {})}
 
 
 def _model(size: str, abstract: bool = True):
@@ -47,12 +70,33 @@ def _model(size: str, abstract: bool = True):
     return (nnx.eval_shape(make) if abstract else make()), g
 
 
-def _loss(graphdef, rest):
+def pinned_logits(model, tokens, pin):
+    """The scanned GPT's forward (`train=False`, dropout 0, attention "flax"), int32 (batch, T) → float32
+    (batch, T, vocab) logits, with `pin` applied to the residual stream (batch, T, d_model) after the
+    embedding and after each block. With `pin` the identity it is `model(tokens, train=False)`."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    x = pin(model.tok_embed(tokens) + model.pos_embed(jnp.arange(tokens.shape[1])))
+    mask = nnx.make_causal_mask(tokens)
+    graphdef, stack = nnx.split(model.layers)
+
+    def body(x, layer):
+        return pin(nnx.merge(graphdef, layer)(x, mask, train=False, rngs=None)), None
+
+    x = jax.lax.scan(jax.checkpoint(body) if model.remat else body, x, stack)[0]
+    return model.head(model.ln_f(x)).astype(jnp.float32)
+
+
+def _loss(graphdef, rest, pin=None):
+    """The mean cross-entropy of the GPT's next-token logits; with `pin`, through `pinned_logits`."""
     import optax
     from flax import nnx
 
     def loss(params, batch):
-        logits = nnx.merge(graphdef, params, rest, copy=True)(batch["x"], train=False)
+        model = nnx.merge(graphdef, params, rest, copy=True)
+        logits = model(batch["x"], train=False) if pin is None else pinned_logits(model, batch["x"], pin)
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
 
     return loss
@@ -76,12 +120,13 @@ def jdp_step(graphdef, rest, layout: str):
     import jdp
 
     return jdp.make_train_step(_loss(graphdef, rest), optax.adam(1e-3), devices=jax.devices()[:N], grad_norm=False,
-                               **LAYOUTS[layout])
+                               **jdp_layouts()[layout])
 
 
-def partitioner_step(graphdef, rest, params):
+def partitioner_step(graphdef, rest, params, pinned: bool = True):
     """`jax.jit` over global arrays: params and Adam's moments split as `jdp.zero.Cuts` splits them, the batch
-    along its first axis; the partitioner inserts the gathers and reductions."""
+    along its first axis; the partitioner inserts the gathers and reductions. `pinned`: the residual stream
+    is constrained to the batch's split after the embedding and after each block."""
     import jax
     import optax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -89,7 +134,8 @@ def partitioner_step(graphdef, rest, params):
     from jdp.zero import Cuts
 
     mesh = Mesh(jax.devices()[:N], ("data",))
-    tx, loss = optax.adam(1e-3), _loss(graphdef, rest)
+    pin = (lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P("data")))) if pinned else None
+    tx, loss = optax.adam(1e-3), _loss(graphdef, rest, pin)
     shard = jax.tree.map(lambda s: NamedSharding(mesh, s), Cuts(params, N).specs(), is_leaf=lambda x: isinstance(x, P))
     opt_shard = optax.tree_map_params(tx, lambda _, s: s, jax.eval_shape(tx.init, params), shard,
                                       transform_non_params=lambda _: NamedSharding(mesh, P()))
@@ -109,36 +155,67 @@ def _peak(compiled) -> int:
     return int(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes)
 
 
+def collectives(hlo: str) -> dict:
+    """{kind: {"count", "bytes"}} of the compiled step's all-gathers, reduce-scatters and all-reduces, per step
+    (`jdp.inspect.comm.parse_collectives`: each op's full payload; an op in a while loop's body (the
+    scanned layers) counted once per trip, XLA's `known_trip_count`)."""
+    import re
+
+    from jdp.inspect.comm import parse_collectives
+
+    trips = {body: int(n) for body, n in re.findall(r"while\(.*?body=%?([\w.\-]+).*?known_trip_count\":\{\"n\":\"(\d+)",
+                                                     hlo)}
+    found = parse_collectives(hlo)
+    return {k: {"count": sum(trips.get(c["computation"], 1) for c in found if c["kind"] == k),
+                "bytes": sum(c["bytes"] * trips.get(c["computation"], 1) for c in found if c["kind"] == k)}
+            for k in COLLECTIVES}
+
+
+def _jdp_compiled(graphdef, rest, params, layout: str, g: dict):
+    """One jdp layout's step compiled on abstract state and batch (nothing allocated)."""
+    import jax
+    import numpy as np
+
+    step = jdp_step(graphdef, rest, layout)
+    step.layout.bind(params)
+    init = jax.jit(step._init_state, out_shardings=step.layout.state_shardings)
+    state = jax.eval_shape(init, params, (), jax.ShapeDtypeStruct((2,), np.uint32), {})
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.NamedSharding(
+        step.mesh, jax.sharding.PartitionSpec(step.mesh.axis_names[0]))), _batch(g, N, True))
+    return step._step.lower(state, batch).compile()
+
+
 def memory(size: str) -> dict:
-    """Peak bytes per device of every layout's compiled step for one size (abstract state: nothing allocated)."""
+    """Peak bytes per device of every layout's compiled step for one size (abstract state: nothing allocated),
+    and the collectives of the FSDP rows that gather per layer."""
     import jax
     import numpy as np
     from flax import nnx
 
-    from jdp.inspect.comm import parse_collectives
-
     model, g = _model(size)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     count = int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
-    out = {"size": size, "model": g, "params": count, "peak": {}}
-    for layout in LAYOUTS:
-        step = jdp_step(graphdef, rest, layout)
-        step.layout.bind(params)
-        init = jax.jit(step._init_state, out_shardings=step.layout.state_shardings)
-        state = jax.eval_shape(init, params, (), jax.ShapeDtypeStruct((2,), np.uint32), {})
-        batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.NamedSharding(
-            step.mesh, jax.sharding.PartitionSpec(step.mesh.axis_names[0]))), _batch(g, N, True))
-        compiled = step._step.lower(state, batch).compile()
+    out = {"size": size, "model": g, "params": count, "peak": {}, "collectives": {},
+           "jit": "available" if jit_layout() else "not available: jdp has no backend \"jit\""}
+    for layout in jdp_layouts():
+        try:
+            compiled = _jdp_compiled(graphdef, rest, params, layout, g)
+        except Exception as e:  # noqa: BLE001 - a new backend's failure is a row of the table, not the end of it
+            if layout != "jit":
+                raise
+            out["jit"] = f"failed: {type(e).__name__}: {e}"[:300]
+            continue
         out["peak"][layout] = _peak(compiled)
-        if layout == "fsdp_layers":
-            kinds = [(c["kind"], c["computation"]) for c in parse_collectives(compiled.as_text())]
-            out["collectives"] = {k: sum(1 for kind, _ in kinds if kind == k) for k in ("all-gather", "reduce-scatter")}
-    jitted, shard, opt_shard, tx = partitioner_step(graphdef, rest, params)
+        if layout in ("fsdp_layers", "jit"):
+            out["collectives"][layout] = collectives(compiled.as_text())
     abstract = lambda tree, sh: jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),  # noqa: E731
                                              tree, sh)
     batch = abstract(_batch(g, N, True), {"x": shard_batch(), "y": shard_batch()})
-    out["peak"]["partitioner"] = _peak(jitted.lower(abstract(params, shard), abstract(jax.eval_shape(
-        tx.init, params), opt_shard), batch).compile())
+    for name, pinned in PARTITIONERS.items():
+        jitted, shard, opt_shard, tx = partitioner_step(graphdef, rest, params, pinned)
+        compiled = jitted.lower(abstract(params, shard), abstract(jax.eval_shape(tx.init, params), opt_shard),
+                                batch).compile()
+        out["peak"][name], out["collectives"][name] = _peak(compiled), collectives(compiled.as_text())
     return out
 
 
@@ -150,7 +227,8 @@ def shard_batch():
 
 
 def step_times(size: str = "2M", rounds: int = 5, steps: int = 3) -> dict:
-    """Interleaved step times on `size` (the smallest): FSDP per layer, the partitioner's FSDP, replicated."""
+    """Interleaved step times on `size` (the smallest): FSDP per layer, the partitioner's FSDP pinned and
+    not pinned, replicated, and jdp's jit backend under FSDP where jdp has it."""
     import jax
     from flax import nnx
 
@@ -158,10 +236,17 @@ def step_times(size: str = "2M", rounds: int = 5, steps: int = 3) -> dict:
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     host = _batch(g, N, False)
     runners = {}
-    for layout in ("replicated", "fsdp_layers"):
-        step = jdp_step(graphdef, rest, layout)
-        box = {"state": step.init(params)}
-        placed = step.shard_batch(host)
+    failed = {}
+    for layout in ("replicated", "fsdp_layers") + (("jit",) if jit_layout() else ()):
+        try:
+            step = jdp_step(graphdef, rest, layout)
+            box = {"state": step.init(params)}
+            placed = step.shard_batch(host)
+        except Exception as e:  # noqa: BLE001 - as in memory(): the jit row says why it has no time
+            if layout != "jit":
+                raise
+            failed[layout] = f"failed: {type(e).__name__}: {e}"[:300]
+            continue
 
         def run(k, step=step, box=box, placed=placed):
             t0 = time.perf_counter()
@@ -171,23 +256,28 @@ def step_times(size: str = "2M", rounds: int = 5, steps: int = 3) -> dict:
             return (time.perf_counter() - t0) / k
         run(1)
         runners[layout] = run
-    jitted, shard, opt_shard, tx = partitioner_step(graphdef, rest, params)
-    pbox = {"p": jax.device_put(params, shard)}
-    pbox["o"] = jax.jit(tx.init, out_shardings=opt_shard)(pbox["p"])
     pbatch = jax.device_put(host, shard_batch())
+    for name, pinned in PARTITIONERS.items():
+        jitted, shard, opt_shard, tx = partitioner_step(graphdef, rest, params, pinned)
+        pbox = {"p": jax.device_put(params, shard)}
+        pbox["o"] = jax.jit(tx.init, out_shardings=opt_shard)(pbox["p"])
 
-    def run_partitioner(k):
-        t0 = time.perf_counter()
-        for _ in range(k):
-            pbox["p"], pbox["o"] = jitted(pbox["p"], pbox["o"], pbatch)
-        jax.block_until_ready(pbox["p"])
-        return (time.perf_counter() - t0) / k
-    run_partitioner(1)
-    runners["partitioner"] = run_partitioner
+        def run_partitioner(k, jitted=jitted, pbox=pbox):
+            t0 = time.perf_counter()
+            for _ in range(k):
+                pbox["p"], pbox["o"] = jitted(pbox["p"], pbox["o"], pbatch)
+            jax.block_until_ready(pbox["p"])
+            return (time.perf_counter() - t0) / k
+        run_partitioner(1)
+        runners[name] = run_partitioner
     times = interleave(runners, steps, rounds, log=lambda *_: None)
-    return {"rounds": rounds, "steps": steps, "median_s": {k: sorted(v)[len(v) // 2] for k, v in times.items()},
-            "fsdp_layers_over_partitioner": paired_ratio(times["fsdp_layers"], times["partitioner"]),
-            "fsdp_layers_over_replicated": paired_ratio(times["fsdp_layers"], times["replicated"])}
+    out = {"rounds": rounds, "steps": steps, "median_s": {k: sorted(v)[len(v) // 2] for k, v in times.items()},
+           "failed": failed}
+    for num, den in (("fsdp_layers", "partitioner"), ("fsdp_layers", "partitioner_unpinned"),
+                     ("fsdp_layers", "replicated"), ("jit", "fsdp_layers"), ("jit", "partitioner")):
+        if num in times and den in times:
+            out[f"{num}_over_{den}"] = paired_ratio(times[num], times[den])
+    return out
 
 
 def slopes(rows: list[dict]) -> dict:
@@ -205,6 +295,10 @@ def slopes(rows: list[dict]) -> dict:
     return out
 
 
+ROW_NAMES = {"partitioner": "partitioner (residual stream pinned)",
+             "partitioner_unpinned": "partitioner, residual stream not pinned", "jit": "jdp backend=\"jit\""}
+
+
 def markdown(rows: list[dict], fit: dict, times: dict | None) -> str:
     names = list(rows[0]["peak"])
     out = [f"GPT, {rows[0]['model']['n_layers']} layers scanned with remat, context {COMMON['context']}, "
@@ -214,16 +308,27 @@ def markdown(rows: list[dict], fit: dict, times: dict | None) -> str:
            + " | slope B/param | largest model in 16 GB | in 80 GB |", "|---|" + "---|" * (len(rows) + 3)]
     for name in names:
         f = fit[name]
-        out.append(f"| {name} | " + " | ".join(f"{r['peak'][name] / 1e6:.1f}" for r in rows)
+        out.append(f"| {ROW_NAMES.get(name, name)} | " + " | ".join(f"{r['peak'][name] / 1e6:.1f}" for r in rows)
                    + f" | {f['slope']:.2f} | {f['fits_16GB'] / 1e9:.2f} B | {f['fits_80GB'] / 1e9:.1f} B |")
-    out += ["", f"FSDP per layer / the partitioner's FSDP, slope: "
-            f"{fit['fsdp_layers']['slope'] / fit['partitioner']['slope']:.3f}."]
+    if "jit" not in names:
+        out.append(f"| {ROW_NAMES['jit']} | " + " | ".join(str(r.get("jit", "not available")) for r in rows)
+                   + " | | | |")
+    out += ["", "FSDP per layer / the partitioner's FSDP, slope: "
+            + ", ".join(f"{fit['fsdp_layers']['slope'] / fit[p]['slope']:.3f} ({ROW_NAMES[p]})"
+                        for p in PARTITIONERS) + "."]
+    small = rows[0]
+    out += ["", f"Collectives per step of the {small['size']} GPT's compiled step, count and MB (each op's full "
+            "payload; those inside the scanned layers' loops once per layer):", "",
+            "| layout | " + " | ".join(COLLECTIVES) + " |", "|---|" + "---|" * len(COLLECTIVES)]
+    for name, kinds in small["collectives"].items():
+        out.append(f"| {ROW_NAMES.get(name, name)} | "
+                   + " | ".join(f"{kinds[k]['count']}, {kinds[k]['bytes'] / 1e6:.1f}" for k in COLLECTIVES) + " |")
     if times:
-        out += ["", f"Step time, the {rows[0]['size']} GPT, {times['rounds']} interleaved rounds of {times['steps']} "
-                f"steps in one process: FSDP per layer / partitioner's FSDP "
-                f"{times['fsdp_layers_over_partitioner']:.3f}, FSDP per layer / replicated "
-                f"{times['fsdp_layers_over_replicated']:.3f} (medians "
-                + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in times["median_s"].items()) + ")."]
+        ratios = [k for k in times if "_over_" in k]
+        out += ["", f"Step time, the {small['size']} GPT, {times['rounds']} interleaved rounds of {times['steps']} "
+                "steps in one process: " + ", ".join(f"{k.replace('_over_', ' / ')} {times[k]:.3f}" for k in ratios)
+                + " (medians " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in times["median_s"].items()) + ")."]
+        out += [f"{ROW_NAMES.get(k, k)}: no step time, {why}" for k, why in times.get("failed", {}).items()]
     return "\n".join(out) + "\n"
 
 
@@ -241,7 +346,8 @@ def bench_fsdp_layers(log=print, quick: bool = False) -> dict:
                                  timeout=1200)
     fit = slopes(rows)
     out = {"rows": rows, "fit": fit, "times": None if "error" in times else times,
-           "slope_over_partitioner": fit["fsdp_layers"]["slope"] / fit["partitioner"]["slope"]}
+           "slope_over_partitioner": fit["fsdp_layers"]["slope"] / fit["partitioner"]["slope"],
+           "slope_over_partitioner_unpinned": fit["fsdp_layers"]["slope"] / fit["partitioner_unpinned"]["slope"]}
     if out["times"]:
         out["fsdp_layers_over_partitioner"] = times["fsdp_layers_over_partitioner"]
     return out

@@ -172,9 +172,10 @@ MUTANTS = [
            "if after",  # a flattening that interleaves the blocks kept as blocks
            ("tests/test_blockwise.py", "-k", "gathered")),
     Mutant("opt_state_not_split", "core/zero.py",
-           "self.optimizer, lambda x, i: cuts.dims[i] if x.shape == cuts.leaves[i].shape else WHOLE,",
-           "self.optimizer, lambda x, i: WHOLE if x.shape == cuts.leaves[i].shape else WHOLE,",
-           ("tests/test_zero.py::test_optimizer_state_bytes_per_device_are_one_nth",)),
+           "lambda i: WHOLE if i < 0 else cuts.dims[i]",
+           "lambda i: WHOLE",
+           ("tests/test_zero.py::test_optimizer_state_bytes_per_device_are_one_nth",
+            "tests/test_sharded_optax.py::test_masked_partitioned_and_muon_equal_one_device")),
     Mutant("fsdp_layers_reduced_once_for_the_model", "core/fsdp.py",
            "        if self.in_model:\n            return self.marked(params)\n",
            "",  # the whole model gathered before the loss: one reduce-scatter after the backward pass
@@ -190,7 +191,8 @@ MUTANTS = [
     Mutant("fsdp_layers_bf16_gradient_reduced_in_bf16", "core/split.py",
            "lax.psum_scatter(g.astype(like.dtype), axis, scatter_dimension=dim, tiled=True)",
            "lax.psum_scatter(g, axis, scatter_dimension=dim, tiled=True).astype(like.dtype)",
-           ("tests/test_fsdp_layers.py::test_per_layer_gathering_equals_one_device[bf16]",)),
+           ("tests/test_fsdp_layers.py::test_a_layer_gathered_in_bf16_reduce_scatters_its_gradient_in_float32",
+            "tests/test_fsdp_layers.py::test_per_layer_gathering_equals_one_device[bf16]")),
     Mutant("fsdp_params_left_replicated", "core/step.py",
            "else FullyShardedLayout(self.mesh, accum, self.optimizer, o.precision, o.gather_in_model)",
            "else ShardedStateLayout(self.mesh, accum, self.optimizer)",  # ZeRO-1
@@ -419,7 +421,7 @@ MUTANTS = [
            "if False:",  # every call divides by its own weight: the mean of micro-batch means
            ("tests/test_weighted.py::test_weighted_loss_equals_one_device_per_token",)),
     Mutant("aux_not_weighted_by_the_loss", "core/weighting.py",
-           "lambda a: Weighted(a * weight, weight)",
+           "lambda a: Weighted(_times(a, weight), weight)",
            "lambda a: Weighted(a, jnp.float32(1))",  # plain aux averaged with equal weight per device
            ("tests/test_weighted.py::test_weighted_loss_equals_one_device_per_token",)),
     Mutant("eval_weights_ignored", "core/evaluate.py",
@@ -585,7 +587,8 @@ MUTANTS = [
     Mutant("compile_time_in_samples_per_s", "run/records.py",
            "seconds, self.step, self.time = now - self.time, self.step + 1, now",
            "seconds = now - self.time",  # the first interval's rate counts compilation again
-           ("tests/test_observe.py::test_the_first_step_is_timed_once_and_left_out_of_samples_per_s",)),
+           ("tests/test_observe.py::test_samples_per_s_counts_each_interval_from_the_end_of_the_one_before",
+            "tests/test_observe.py::test_the_first_step_is_timed_once_and_left_out_of_samples_per_s")),
     Mutant("step_lines_hidden_under_the_bar", "run/metrics.py",
            "            self.log(f\"step {s:6d}  loss ",
            "            self._progress or self.log(f\"step {s:6d}  loss ",  # the bar hides every step line
@@ -593,7 +596,8 @@ MUTANTS = [
     Mutant("profile_misses_the_last_step", "run/profile.py",
            "if self.tracing and s == self.steps[1]:",
            "if self.tracing and s == self.steps[1] - 1:",  # the trace stops before the last step asked for
-           ("tests/test_observe.py::test_profile_steps_writes_a_trace_of_those_steps_into_the_workdir",)),
+           ("tests/test_observe.py::test_the_profile_traces_first_to_last_inclusive",
+            "tests/test_observe.py::test_profile_steps_writes_a_trace_of_those_steps_into_the_workdir")),
     Mutant("wandb_gets_no_records", "run/metrics.py",
            "            self._tracker.write(record)\n",
            "            pass\n",
@@ -916,6 +920,101 @@ MUTANTS = [
            "if found is None or found.group(1) in self.layout.mesh.axis_names:",
            "if True:",  # JAX's "Resource axis ... not found in mesh", which does not say to pass mesh=
            ("tests/test_annotations.py::test_a_model_that_names_its_own_meshs_axes_on_jdps_mesh_is_told_to_pass_mesh",)),
+    # issue 39: padding, optax under sharding, split axis
+    Mutant("padding_first_call_divides_by_zero", "core/algorithm.py",
+           "so_far = jnp.where((calls < accum_steps) & (so_far == 0), jnp.ones_like(so_far), so_far)",
+           "so_far = so_far",  # a first micro-batch of padding only: 1/0, then MultiSteps' 0 · NaN params
+           ("tests/test_weighted.py::test_a_call_or_device_of_padding_only_equals_one_device",)),
+    Mutant("padding_step_of_no_weight_not_nan", "core/algorithm.py",
+           "(calls < accum_steps) & (so_far == 0)",
+           "(so_far == 0)",  # a step of weight 0 divides by 1 on its last call: params silently unchanged
+           ("tests/test_weighted.py::test_a_step_of_padding_only_gives_nan_or_is_skipped",)),
+    Mutant("padding_device_aux_nan", "core/weighting.py",
+           "return jnp.where(weight == 0, jnp.zeros_like(mean * weight), mean * weight)",
+           "return mean * weight",  # a plain aux on a device of padding only: 0/0 · 0 = NaN for the step
+           ("tests/test_weighted.py::test_a_call_or_device_of_padding_only_equals_one_device",)),
+    Mutant("sharded_state_matched_by_whole_path_only", "core/zero.py",
+           "i = paths.get(tuple(path[len(path) - n:])) if n <= len(path) else None",
+           "i = paths.get(tuple(path))",  # the state's paths (.mu['l0']['w']) never equal a param's: all whole
+           ("tests/test_sharded_optax.py::test_masked_partitioned_and_muon_equal_one_device",)),
+    Mutant("scanned_layer_axis_split", "models/gpt.py",
+           "stack = gather_layer_axis(stack)",
+           "stack = stack",  # a stacked leaf split along its layers: the scan gets 1 layer per device
+           ("tests/test_fsdp_layers.py::test_a_stacked_leaf_split_along_its_layers_is_gathered_before_the_scan",)),
+    Mutant("whole_leaves_not_reported", "inspect/memory.py",
+           "whole=() if cuts is None else tuple(cuts.whole_leaves())",
+           "whole=()",  # memory_report silent about the leaves every device holds whole
+           ("tests/test_fsdp.py::test_the_leaves_kept_whole_are_named_with_their_bytes",)),
+    Mutant("whole_leaves_not_in_the_train_line", "run/train.py",
+           'whole = f"; {report.whole_text()}" if report.whole else ""',
+           'whole = ""',  # jdp train's memory line no longer names them
+           ("tests/test_fsdp.py::test_the_leaves_kept_whole_are_named_with_their_bytes",)),
+    Mutant("failed_start_leaves_its_workdir", "run/workfiles.py",
+           "remove_if_empty(self.dirs)",
+           "pass",  # a run that failed as its first step compiled leaves an empty workdir behind
+           ("tests/test_faults_run.py::test_a_run_that_fails_before_its_first_step_leaves_no_workdir",)),
+    Mutant("refused_run_takes_back_the_live_runs_files", "run/train.py",
+           "locked_workdir(workdir, log), made.files_on_failure(),",
+           "made.files_on_failure(), locked_workdir(workdir, log),",  # cleanup armed before the lock is held
+           ("tests/test_faults_run.py::test_a_run_that_fails_before_its_first_step_leaves_no_workdir",)),
+    # the global view's optimizer state by the state's paths
+    Mutant("jit_opt_state_left_replicated", "core/global_view.py",
+           "opt_specs = jax.tree.map(opt_spec, state_owners(opt_struct, cuts), opt_struct)",
+           "opt_specs = jax.tree.map(lambda i, x: P(), state_owners(opt_struct, cuts), opt_struct)",
+           ("tests/test_sharded_optax.py::test_masked_and_muon_under_jit_equal_one_device",)),
+    # test gaps (issue 39)
+    Mutant("mask_key_aux_over_padded_rows", "core/weighting.py",
+           "weighted_aux(aux, lambda a: Weighted(a * rows, weight)), weight",
+           "weighted_aux(aux, lambda a: Weighted(a * rows, jnp.float32(rows))), weight",  # aux's mean counts padding
+           ("tests/test_state_and_mask.py::test_a_plain_aux_under_mask_key_is_its_mean_over_the_real_rows",)),
+    Mutant("stacked_leaf_split_along_its_layer_axis", "core/zero.py",
+           "later = [i for i in dims if i > 0]",
+           "later = [i for i in dims if i >= 0]",  # (8 layers, 4) over 4 devices: each holds 2 whole layers
+           ("tests/test_zero.py::test_a_stacked_leaf_is_split_after_its_layer_axis_even_where_that_axis_is_the_largest",)),
+    Mutant("blockwise_transpose_inverted", "core/blockwise.py",
+           'list(eqn.params["permutation"]).index(ins[0].dim)',
+           'list(eqn.params["permutation"])[ins[0].dim]',  # right for a 2-D .T only, its own inverse
+           ("tests/test_blockwise.py::test_blockwise_equals_the_whole_function",)),
+    Mutant("token_short_read_accepted", "data/tokens.py",
+           "if all(len(chunk) == size for chunk in chunks):",
+           "if True:",  # a file truncated under the read gives a batch of fewer tokens
+           ("tests/test_data_sources.py::test_a_short_read_is_a_changed_token_file_not_a_batch_of_fewer_tokens",)),
+    Mutant("samples_per_s_clock_not_restarted", "run/records.py",
+           "self.step, self.time = step, now",
+           "self.step = step",  # every interval after the first counts from the first step's end
+           ("tests/test_observe.py::test_samples_per_s_counts_each_interval_from_the_end_of_the_one_before",)),
+    Mutant("token_id_vocab_size_passes_a_batch", "data/tokens.py",
+           "windows.max() >= self.vocab_size:",
+           "windows.max() > self.vocab_size:",  # the id vocab_size itself indexes past the embedding
+           ("tests/test_data_sources.py::test_the_id_equal_to_vocab_size_is_refused_when_the_file_opens_and_when_its_batch_is_read",)),
+    Mutant("token_id_vocab_size_passes_the_sample", "data/tokens.py",
+           "if chunk.max() >= self.vocab_size:",
+           "if chunk.max() > self.vocab_size:",
+           ("tests/test_data_sources.py::test_the_id_equal_to_vocab_size_is_refused_when_the_file_opens_and_when_its_batch_is_read",)),
+    Mutant("hybrid_layers_blocks_not_summed_across_groups", "core/fsdp.py",
+           "split = iter(self.cuts.across_replicas([x.value for x in leaves if is_split(x)]))",
+           "split = iter([x.value for x in leaves if is_split(x)])",  # each group steps on its half of the batch
+           ("tests/test_hybrid.py::test_per_layer_gathering_in_replica_groups_sums_the_blocks_across_the_groups",)),
+    Mutant("agreement_compares_the_names_of_the_facts", "run/distributed.py",
+           "blob = json.dumps(facts, sort_keys=True).encode()",
+           "blob = json.dumps(sorted(facts)).encode()",  # two hosts' train.bin of one size agree
+           ("tests/test_facts.py::test_processes_whose_data_digests_differ_are_refused_naming_both",)),
+    Mutant("wheel_taken_for_a_checkout", "extras.py",
+           'return root if os.path.isfile(os.path.join(root, "pyproject.toml")) else None',
+           "return root",  # an installed wheel's hint: pip install -e '.../site-packages[plot]'
+           ("tests/test_papercuts.py::test_the_install_hint_names_the_wheel_where_no_pyproject_lies_beside_the_package",)),
+    Mutant("profile_starts_after_the_first_step", "run/profile.py",
+           "if self.steps is None or not self.steps[0] <= s <= self.steps[1]:",
+           "if self.steps is None or not self.steps[0] < s <= self.steps[1]:",  # --profile-steps 3:5 traces 4..5
+           ("tests/test_observe.py::test_the_profile_traces_first_to_last_inclusive",)),
+    Mutant("wandb_run_id_not_the_config_hash", "run/trackers.py",
+           "id=config_hash[:16],",
+           "id=None,",  # a resumed run syncs into a new W&B run
+           ("tests/test_observe.py::test_the_wandb_run_is_offline_and_named_by_the_config_hash",)),
+    Mutant("config_name_keeps_its_yaml_suffix", "run/shipped.py",
+           'name = name[:-len(".yaml")] if name.endswith(".yaml") else name',
+           "name = name",  # `jdp train char_gpt.yaml` outside a checkout: "neither a file nor a shipped config"
+           ("tests/test_shipped.py::test_a_config_is_found_by_name_and_a_file_of_that_path_wins",)),
 ]
 
 

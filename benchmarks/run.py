@@ -26,8 +26,8 @@ On CPU (2 fake CPU devices, fp32, Adam, global batch 256, MLP 784-1024-1024-10 u
    (target: FSDP ≤ 1.3× replicated), and an 8-layer GPT's bytes per device, between steps and in
    the compiled step, for N = 1, 2, 4, 8, remat off and on (`benchmarks/fsdp.py`).
 7b. `fsdp_layers`: a scanned GPT at three sizes on 8 devices, the compiled step's peak per layout
-   (FSDP gathering per layer vs the partitioner's FSDP: slope in bytes per param) and step-time
-   ratios (`benchmarks/fsdp_layers.py`; about 12 minutes on 2 CPU cores).
+   (FSDP gathering per layer vs the partitioner's FSDP, its residual stream pinned batch-sharded as
+   MaxText does, and not pinned: slope in bytes per param, collectives) and step-time ratios (`benchmarks/fsdp_layers.py`; about 12 minutes on 2 CPU cores).
 8. The input pipeline (`benchmarks/data.py`): loader batches/s for a token file and for a
    transform-heavy grain source (inline, 2 threads, 2 worker processes) against the char GPT's
    step rate on 2 devices (target: loader ≥ 5× the step), and RssAnon for a 10 MB and a 1 GB
@@ -461,9 +461,10 @@ def ratios_table(report: dict) -> list[dict]:
     add("replicated_over_fsdp", report.get("fsdp", {}).get("ratio_replicated_over_fsdp"),
         "replicated step time / FSDP (shard_params) step time, Adam (≥ 0.77: FSDP ≤ 1.3× replicated)")
     add("fsdp_layers_slope_over_partitioner", report.get("fsdp_layers", {}).get("slope_over_partitioner"),
-        "compiled peak per param, FSDP gathering per layer / jax.jit+NamedSharding FSDP, scanned GPT (≤ 1.15)")
+        "compiled peak per param, FSDP gathering per layer / jax.jit+NamedSharding FSDP (residual stream pinned), "
+        "scanned GPT (≤ 1.15)")
     add("fsdp_layers_over_partitioner", report.get("fsdp_layers", {}).get("fsdp_layers_over_partitioner"),
-        "step time, FSDP gathering per layer / the partitioner's FSDP (≤ 1.15)")
+        "step time, FSDP gathering per layer / the partitioner's FSDP, residual stream pinned (≤ 1.15)")
     add("loader_tokens_over_step", report.get("data", {}).get("ratio_loader_tokens_over_step"),
         "token-file loader batches/s / char GPT steps/s on 2 devices (batch 64 × 64 tokens)")
     add("loader_transform_over_step", report.get("data", {}).get("ratio_loader_transform_over_step"),

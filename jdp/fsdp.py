@@ -4,6 +4,7 @@ The public name of `jdp.core.fsdp`, where it is implemented; import it as `jdp.f
 """
 from jdp.bridges.gathered import gathered
 from jdp.core.fsdp import FullyShardedLayout, host_whole, whole_params
-from jdp.core.split import Split, gather, is_split
+from jdp.core.split import Split, gather, gather_layer_axis, is_split
 
-__all__ = ["FullyShardedLayout", "Split", "gather", "gathered", "host_whole", "is_split", "whole_params"]
+__all__ = ["FullyShardedLayout", "Split", "gather", "gather_layer_axis", "gathered", "host_whole", "is_split",
+           "whole_params"]

@@ -42,7 +42,9 @@ FUNCTIONS = {
                              "c": jnp.sum(t["c"], axis=(0, 2))},
     "norms_and_dots": lambda t: {"norm": optax.tree.norm(t), "vdot": jnp.tensordot(t["a"], t["a"], 2),
                                  "mv": t["a"] @ t["b"], "outer": jnp.outer(t["a"].sum(1), t["b"])},
-    "shapes": lambda t: {"t": t["a"].T * 2, "r": t["c"].reshape(4, 96) + 1, "sq": t["c"][..., :1].squeeze(2) * 3},
+    # (1, 2, 0) is not its own inverse, as a 2-D `.T` is: a transpose rule that inverts it puts the split elsewhere
+    "shapes": lambda t: {"t": t["a"].T * 2, "t3": jnp.transpose(t["c"], (1, 2, 0)) - 1,
+                         "r": t["c"].reshape(4, 96) + 1, "sq": t["c"][..., :1].squeeze(2) * 3},
     # a sort, a cumulative sum, a flattening that interleaves the blocks: computed on gathered values
     "gathered": lambda t: {"sorted": jnp.sort(t["a"], axis=0), "cum": jnp.cumsum(t["b"]),
                            "flat": t["c"].reshape(-1)[::7]},

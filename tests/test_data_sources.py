@@ -359,3 +359,31 @@ def test_a_token_file_is_never_read_whole(tmp_path):
     m = json.loads(r.stdout.strip().splitlines()[-1])
     assert m["after_batches"] - m["after_import"] < 64 * 2**20, m  # grain's import and the batches, not the file
     assert m["after_batches"] - m["after_open"] < 8 * 2**20, m
+
+
+def test_the_id_equal_to_vocab_size_is_refused_when_the_file_opens_and_when_its_batch_is_read(tmp_path):
+    # ids run 0..vocab_size - 1: vocab_size itself is the first id out of range, in both checks
+    path = write_tokens(tmp_path / "t.bin", [1, 2, 3, 4, 5, 6, 7, 8, 256, 1])
+    with pytest.raises(ValueError, match=r"holds the token id 256 at position 8, not below vocab_size=256"):
+        load_tokens(path, context_length=8, vocab_size=256)
+    write_tokens(path, [1, 2, 3, 4, 5, 6, 7, 8, 255, 1])
+    tokens = load_tokens(path, context_length=8, vocab_size=256)  # 255 is the last id that fits
+    np.testing.assert_array_equal(tokens.take(np.array([0]))["y"], [[2, 3, 4, 5, 6, 7, 8, 255]])
+    with open(path, "r+b") as f:  # the same size, another id: only the batch's own check sees it
+        f.seek(8 * 2)
+        f.write(np.uint16(256).tobytes())
+    with pytest.raises(ValueError, match=r"holds the token id 256 at position 8, not below vocab_size=256"):
+        tokens.take(np.array([0]))
+
+
+def test_a_short_read_is_a_changed_token_file_not_a_batch_of_fewer_tokens(tmp_path, monkeypatch):
+    # A file truncated between the size check and the read: os.pread returns fewer bytes than asked
+    from jdp.data.tokens import TokenFileChangedError
+
+    tokens = load_tokens(write_tokens(tmp_path / "t.bin", np.arange(40)), context_length=8, vocab_size=256)
+    pread = os.pread
+    monkeypatch.setattr(os, "pread", lambda fd, size, offset: pread(fd, size, offset)[:-2])
+    with pytest.raises(TokenFileChangedError, match=r"changed while the run read it"):
+        tokens.take(np.array([0, 3]))
+    with pytest.raises(TokenFileChangedError, match=r"changed while the run read it"):
+        tokens.read(0, 4)

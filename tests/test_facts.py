@@ -72,3 +72,46 @@ def test_a_change_of_train_steps_is_refused_only_where_the_schedule_uses_it(sche
             facts.compared_with(saved, "w")
     else:
         assert facts.compared_with(saved, "w")["identity"] == saved  # a constant schedule extends the run
+
+
+def _agree_as_two_processes(monkeypatch, *facts):
+    """`distributed.agree(facts[i])` run as process i of 2, each in its own thread, their gathers exchanged
+    in memory: each returns every process's array, stacked in process order. What each raised (or None)."""
+    import threading
+
+    barrier, slots, who = threading.Barrier(2, timeout=300), {}, threading.local()  # a hang guard only
+
+    def gather(values):
+        slots[who.i] = np.asarray(values)
+        barrier.wait()
+        out = np.stack([slots[0], slots[1]])
+        barrier.wait()
+        return out
+
+    def process(i):
+        who.i = i
+        try:
+            distributed.agree(facts[i])
+        except ValueError as e:
+            raised[i] = e
+
+    monkeypatch.setattr(distributed.jax, "process_count", lambda: 2)
+    monkeypatch.setattr(distributed, "_gather", gather)
+    raised = [None, None]
+    threads = [threading.Thread(target=process, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return raised
+
+
+def test_processes_whose_data_digests_differ_are_refused_naming_both(monkeypatch):
+    # Two hosts' copies of train.bin of one size: their facts differ only in a digest of the same length
+    key = "the training data's digest (read from 'train.bin')"
+    mine, theirs = {"train_examples": 4991, key: "b08afc2444de9c70"}, {"train_examples": 4991, key: "c5a028712627e0cb"}
+    assert _agree_as_two_processes(monkeypatch, mine, dict(mine)) == [None, None]  # equal facts: nothing to say
+    raised = _agree_as_two_processes(monkeypatch, mine, theirs)
+    assert [str(e) for e in raised] == [
+        f"the 2 processes disagree about the run ({key}: process 0 'b08afc2444de9c70', process 1 "
+        "'c5a028712627e0cb'); start them all with the same config and data."] * 2

@@ -319,3 +319,48 @@ def test_the_failed_saves_other_write_tasks_print_nothing_at_exit(caplog):
         assert [r.getMessage() for r in caplog.records] == ["another asyncio error"]
     finally:
         asyncio_log.filters[:] = before
+
+
+def test_a_run_that_fails_before_its_first_step_leaves_no_workdir(tmp_path):
+    """The first step fails as it is traced (here the loss raises): a workdir the run made is removed with
+    the empty files it made there (checkpoints/, metrics.jsonl); one that existed keeps what it held."""
+    import dataclasses
+
+    from jdp.run.tasks import build_task
+
+    cfg = load_config(None, ["train.steps=2", *SETTINGS])
+    task = build_task(cfg)
+
+    def failing(*args):
+        raise ValueError("this loss refuses every batch")
+
+    broken = dataclasses.replace(task, loss_fn=failing)
+    for workdir in (tmp_path / "new", tmp_path / "deep" / "new"):
+        with pytest.raises(ValueError, match="this loss refuses every batch"):
+            train(cfg, str(workdir), devices=jax.devices()[:2], log=lambda *_: None, progress=False, task=broken)
+        assert not workdir.exists()
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="this loss refuses every batch"):
+        train(cfg, str(kept), devices=jax.devices()[:2], log=lambda *_: None, progress=False, task=broken)
+    assert sorted(p.name for p in kept.iterdir()) == ["notes.txt"]
+    # a run refused by the lock takes back nothing, not even the empty files the live run made meanwhile
+    held = tmp_path / "held"
+    holder = WorkdirLock(str(held))
+    holder.acquire()
+    real = train_module.locked_workdir
+
+    def live_run_writes_first(workdir, log):
+        (held / "metrics.jsonl").touch()
+        (held / "checkpoints").mkdir()
+        return real(workdir, log)
+
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(train_module, "locked_workdir", live_run_writes_first)
+            with pytest.raises(WorkdirLockedError):
+                train(cfg, str(held), devices=jax.devices()[:2], log=lambda *_: None, progress=False, task=broken)
+        assert sorted(p.name for p in held.iterdir()) == sorted([LOCK_NAME, "checkpoints", "metrics.jsonl"])
+    finally:
+        holder.release()

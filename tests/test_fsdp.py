@@ -291,3 +291,26 @@ def test_refusals_and_config_key():
         load_config(None, ["parallel.backend=pmap", "parallel.shard_params=true"])
     with pytest.raises(ConfigError, match=r"^parallel\.shard_params must be true or false, got 'maybe'\.$"):
         load_config(None, ["parallel.shard_params=maybe"])
+
+
+def test_the_leaves_kept_whole_are_named_with_their_bytes(tmp_path):
+    """A leaf no dimension of which N divides stays whole on every device: memory_report and jdp train's
+    memory line name it and its bytes (the MLP's bias of 5 on 4 devices; nothing on one device)."""
+    from jdp.config import load_config
+    from jdp.train import train
+
+    step, state, _ = run(4, "adam", shard_params=True)
+    report = jdp.memory_report(step, state)
+    assert report.whole == (("['l2']['b']", 20),)
+    assert str(report).endswith("; 1 params leaf stays whole on every device with its optimizer state, 20 B, as no "
+                                "dimension of it divides by 4: ['l2']['b'] 20 B")
+    zero = make(4, "adam", shard_optimizer_state=True)
+    assert jdp.memory_report(zero, zero.init(mlp_params())).whole == report.whole
+    assert jdp.memory_report(make(4, "adam"), run(4, "adam")[1]).whole == ()  # replicated: nothing is split
+    lines = []
+    config = load_config(None, ["train.steps=1", "train.eval_every=0", "data.batch_size=64", "model.hidden=[16]",
+                                "parallel.shard_params=true"])
+    train(config, str(tmp_path / "w"), devices=jax.devices()[:4], log=lines.append, progress=False)
+    said = next(line for line in lines if line.startswith("memory per device"))
+    assert said.endswith("; 1 params leaf stays whole on every device with its optimizer state, 40 B, as no dimension "
+                         "of it divides by 4: ['layers'][1]['bias'] 40 B"), said

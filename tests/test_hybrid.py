@@ -197,3 +197,19 @@ def test_trainer_cnn_with_synchronised_batchnorm_in_replica_groups(tmp_path):
 
     whole, hybrid = go(2), go(8, "parallel.shard_params=true", "parallel.replicas=2")
     assert max_abs_diff(hybrid.params, whole.params) <= 2e-6
+
+
+def test_per_layer_gathering_in_replica_groups_sums_the_blocks_across_the_groups():
+    # The cheap form of the GPT test above: a loss that gathers its own params (as a scanned layer does)
+    # gets Split blocks; their gradients, reduce-scattered within each group by the gathers' transposes,
+    # must still be summed across the groups. SGD shows a group's half of the gradient.
+    def gathering_loss(params, batch):
+        return mlp_loss(jdp.fsdp.gather(params), batch)
+
+    _, one, _ = run(1, "sgd")
+    step = jdp.make_train_step(gathering_loss, OPTIMIZERS["sgd"], devices=jax.devices()[:8], shard_params=True,
+                               gather_in_model=True, replicas=2)
+    state = step.init(mlp_params())
+    for batch in DATA[:3]:
+        state, _ = step(state, batch)
+    assert max_abs_diff(jdp.get_params(state), jdp.get_params(one)) <= TOL

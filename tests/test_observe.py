@@ -114,3 +114,71 @@ def test_a_wandb_offline_run_holds_the_config_every_record_and_the_runs_identity
     assert [h["_step"] for h in history] == list(expected) == [1, 2, 4, 6]
     for h, (step, values) in zip(history, expected.items()):
         assert {k: h[k] for k in values} == pytest.approx(values), step
+
+
+class _Clock:
+    """time.perf_counter for jdp.run.records: the times given, in turn."""
+
+    def __init__(self, *times):
+        self.times = list(times)
+
+    def perf_counter(self):
+        return self.times.pop(0)
+
+
+def test_samples_per_s_counts_each_interval_from_the_end_of_the_one_before(monkeypatch):
+    # started at 0 s, the first step ends at 10 s (compilation); log steps at 12 s (step 5) and 13 s (step 9)
+    import jdp.run.records
+
+    monkeypatch.setattr(jdp.run.records, "time", _Clock(0.0, 10.0, 12.0, 13.0, 14.0))
+    rate = jdp.run.records.Throughput(0)
+    assert rate.first_step(None) == 10.0
+    assert rate(5) == 2.0  # steps 2..5 in the 2 s after the first one
+    assert rate(9) == 4.0  # steps 6..9 in the 1 s since step 5, not 4 steps in the 3 s since step 1
+    assert rate(9) is None  # no step since the last call
+
+
+def test_the_profile_traces_first_to_last_inclusive(monkeypatch, tmp_path):
+    # the trace starts before FIRST is launched and stops after LAST has finished, marking each step between
+    import contextlib
+
+    from jdp.run.profile import StepProfile
+
+    calls = []
+    monkeypatch.setattr(jax.profiler, "start_trace", lambda *a, **k: calls.append("start"))
+    monkeypatch.setattr(jax.profiler, "stop_trace", lambda: calls.append("stop"))
+    monkeypatch.setattr(jax.profiler, "StepTraceAnnotation",
+                        lambda name, step_num: calls.append(step_num) or contextlib.nullcontext())
+    lines = []
+    profile = StepProfile((3, 5), str(tmp_path), log=lines.append)
+    for s in range(1, 9):
+        with profile.step(s):
+            calls.append(f"run {s}")
+        profile.done(s, None)
+    assert calls == ["run 1", "run 2", "start", 3, "run 3", 4, "run 4", 5, "run 5", "stop", "run 6", "run 7", "run 8"]
+    assert [line.split(" written")[0] for line in lines] == ["profile of steps 3..5"]
+
+
+def test_the_wandb_run_is_offline_and_named_by_the_config_hash(monkeypatch, tmp_path):
+    # the run's W&B id is its config hash's first 16 hex digits, so a resumed run syncs into the same W&B run
+    from types import SimpleNamespace
+
+    import jdp.extras
+    from jdp.run.trackers import WandbOffline
+
+    seen = {}
+    logged = []
+    fake = SimpleNamespace(Settings=lambda **k: k,
+                           init=lambda **k: seen.update(k) or SimpleNamespace(log=lambda v, step: logged.append((step, v)),
+                                                                              finish=lambda: None))
+    monkeypatch.setattr(jdp.extras, "require", lambda *a: fake)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    config_hash = "0123456789abcdef" + "f" * 48
+    tracker = WandbOffline(str(tmp_path), name="w", config={"train": {"steps": 6}}, config_hash=config_hash,
+                           devices=2)
+    assert (seen["id"], seen["resume"], seen["mode"], seen["project"], seen["name"]) == (
+        "0123456789abcdef", "allow", "offline", "jdp", "w")
+    assert seen["config"] == {"train": {"steps": 6}, "jdp": {"config_hash": config_hash, "devices": 2,
+                                                           "workdir": str(tmp_path)}}
+    tracker.write({"step": 4, "loss": 1.5})
+    assert logged == [(4, {"loss": 1.5})]

@@ -236,3 +236,19 @@ def test_the_suites_compile_flags_are_probed_before_they_are_set(tmp_path, monke
     assert sorted(record.values()) == sorted([False, accepted]) and len(record) == 2
     if os.environ.get("JDP_TEST_FAST_COMPILE", "1") != "0":
         assert (conftest.FAST_COMPILE in os.environ["XLA_FLAGS"]) == accepted
+
+
+def test_the_install_hint_names_the_wheel_where_no_pyproject_lies_beside_the_package(tmp_path, monkeypatch):
+    """jdp.extras decides checkout or wheel by the pyproject.toml beside the package: a wheel's site-packages
+    has none (the cheap form of tests/test_wheel.py, which installs one)."""
+    import jdp.extras
+
+    site = tmp_path / "site-packages"
+    (site / "jdp").mkdir(parents=True)
+    monkeypatch.setattr(jdp.extras, "__file__", str(site / "jdp" / "extras.py"))
+    monkeypatch.chdir(tmp_path)
+    assert jdp.extras.checkout() is None
+    assert jdp.extras.install_command("plot") == "pip install 'jdp-train[plot]'"
+    (site / "pyproject.toml").write_text("[project]\nname = 'jdp-train'\n")
+    assert jdp.extras.checkout() == str(site)
+    assert jdp.extras.install_command("plot") == f"pip install -e '{site}[plot]'"

@@ -197,5 +197,6 @@ def test_bytes_per_token_of_the_char_corpus_and_of_token_folders(tmp_path):
     (tmp_path / "val.bin").write_bytes(b"")
     assert token_bytes_per_token(str(tmp_path / "val.bin"), 256) == 1.0  # no meta.json, 256 ids: byte tokens
     assert token_bytes_per_token(str(tmp_path / "val.bin"), 50304) is None  # another tokenizer's ids: unknown
-    (tmp_path / "meta.json").write_text(json.dumps({"splits": {"val": {"tokens": 400, "bytes": 1700}}}))
+    (tmp_path / "meta.json").write_text(json.dumps({"vocab_size": 50304, "dtype": "uint16", "tokenizer": {"kind": "file", "file": "tokenizer.json"},
+                                                    "splits": {"val": {"tokens": 400, "bytes": 1700}}}))
     assert token_bytes_per_token(str(tmp_path / "val.bin"), 50304) == 4.25

@@ -73,3 +73,59 @@ def test_split_layout_of_the_state():
     # adafactor's factored moments (a row and a column vector per matrix) are shaped unlike the params: replicated
     shapes = {x.sharding.is_fully_replicated for x in jax.tree.leaves(state.opt_state) if np.ndim(x) == 1}
     assert shapes == {True, False}  # the factored vectors replicated, the unfactored bias moments of 16 split
+
+
+MATRICES = lambda p: jax.tree.map(lambda x: x.ndim > 1, p)  # noqa: E731
+PARTITIONED = {  # optimizers whose state leaves optax.MaskedNode where a param is not theirs
+    "masked": lambda: optax.masked(optax.adam(1e-2), MATRICES),
+    "multi_transform": lambda: optax.multi_transform(
+        {"matrix": optax.adam(1e-2), "vector": optax.sgd(0.3)},
+        lambda p: jax.tree.map(lambda x: "matrix" if x.ndim > 1 else "vector", p)),
+    # Newton–Schulz on each whole matrix (adam for the rest): its iterations, a lax.scan, run on the
+    # gathered matrices, exactly
+    "muon": lambda: optax.contrib.muon(1e-2),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def partitioned_run(name, n, **layout):
+    step = jdp.make_train_step(mlp_loss, PARTITIONED[name](), devices=jax.devices()[:n], **layout)
+    state = step.init(mlp_params())
+    for batch in DATA:
+        state, _ = step(state, batch)
+    return step, state
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("name", PARTITIONED)
+def test_masked_partitioned_and_muon_equal_one_device(name, layout):
+    """optax.masked, optax.multi_transform and optax.contrib.muon under ZeRO-1 and FSDP: the replicated
+    step's params and one device's, the state in its own structure (MaskedNode and all)."""
+    want = reference_run(mlp_loss, PARTITIONED[name](), mlp_params(), DATA)[0]
+    assert max_abs_diff(want, mlp_params()) > 1e3 * TOL
+    step, state = partitioned_run(name, 4, **LAYOUTS[layout])
+    replicated = jdp.get_params(partitioned_run(name, 4)[1])
+    for got, one, rep in zip(*map(jax.tree.leaves, (jdp.get_params(state), want, replicated))):
+        np.testing.assert_allclose(got, one, atol=TOL, rtol=0)
+        np.testing.assert_allclose(got, rep, atol=TOL, rtol=0)
+    assert set(step.layout.gathered) <= ({"scan"} if name == "muon" else set())
+    whole = jdp.make_train_step(mlp_loss, PARTITIONED[name](), devices=jax.devices()[:1]).init(mlp_params()).opt_state
+    canonical = step.canonical(state).opt_state
+    assert jax.tree.structure(canonical) == jax.tree.structure(whole)
+    assert [np.shape(x) for x in jax.tree.leaves(canonical)] == [np.shape(x) for x in jax.tree.leaves(whole)]
+    # the moments of the matrices are split (4 divides 16), not left whole on every device
+    dims = jax.tree.leaves(step.layout.opt_dims)
+    assert dims.count(1) >= 2 and all(not x.sharding.is_fully_replicated for x, d in zip(
+        jax.tree.leaves(state.opt_state), dims) if d != -1)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("name", ["masked", "muon"])
+def test_masked_and_muon_under_jit_equal_one_device(name, layout):
+    """The global view lays optax.masked's and muon's state out by the state's paths (MaskedNode where
+    a param is not theirs): it trains as written, one device's step, the moments split."""
+    want = reference_run(mlp_loss, PARTITIONED[name](), mlp_params(), DATA)[0]
+    step, state = partitioned_run(name, 4, backend="jit", **LAYOUTS[layout])
+    for got, one in zip(*map(jax.tree.leaves, (jdp.get_params(state), want))):
+        np.testing.assert_allclose(got, one, atol=TOL, rtol=0)
+    assert any(not x.sharding.is_fully_replicated for x in jax.tree.leaves(state.opt_state))

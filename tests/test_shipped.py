@@ -62,7 +62,7 @@ def test_a_directory_is_never_a_config_and_a_shipped_name_wins_over_one(tmp_path
     assert (done.returncode, done.stdout) == (2, "") and done.stderr == (
         "jdp: error: config 'mine' is a directory, and a directory is never a config; give a YAML file or the name of "
         "a shipped config: char_gpt, char_gpt_bf16, char_gpt_tokens, digits_cnn_syncbn, digits_mlp, "
-        "digits_mlp_accum_psum, digits_mlp_bf16, gpt2_small, seed_linear (jdp configs lists them).\n")
+        "digits_mlp_accum_psum, digits_mlp_bf16, gpt2_small, seed_linear, stdlib_bpe_gpt (jdp configs lists them).\n")
     assert sorted(os.listdir(tmp_path)) == ["digits_mlp", "mine"] and not os.listdir(tmp_path / "mine")
 
 

@@ -93,3 +93,21 @@ def test_new_model_state_of_another_structure_is_refused_at_the_first_call(grow)
                                          r"\(\['mean'\] \(12,\) float32\), returned 1 leaves"):
         step(state, batches(1, 8)[0])
     assert step.trace_count == 0
+
+
+def test_a_plain_aux_under_mask_key_is_its_mean_over_the_real_rows():
+    """A plain aux under mask_key is read as the loss is, sum(mask · a) / b: the step reports its mean over
+    the real rows of the global batch (as one device on those rows alone), not over the padded ones too."""
+    (full,) = batches(1, 16, seed=4)
+    real = 11
+
+    def loss_and_accuracy(params, batch):
+        correct = (jnp.argmax(mlp_logits(params, batch["x"]), -1) == batch["y"]).astype(jnp.float32)
+        return masked_loss(params, batch), {"accuracy": jnp.sum(batch["mask"] * correct) / correct.shape[0]}
+
+    step = jdp.make_train_step(loss_and_accuracy, optax.sgd(0.1), devices=jax.devices()[:4], has_aux=True,
+                               mask_key="mask")
+    _, metrics = step(step.init(mlp_params()), padded(full, real))
+    ref = np.mean(np.argmax(np.asarray(mlp_logits(mlp_params(), full["x"][:real])), -1) == full["y"][:real])
+    assert 0 < ref < 1  # a value the padded rows' count would change
+    np.testing.assert_allclose(metrics["aux"]["accuracy"], ref, rtol=1e-6)

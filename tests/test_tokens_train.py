@@ -106,9 +106,10 @@ def test_a_missing_token_file_says_how_to_make_it(tmp_path, files):
     # The folder prepare-tokens wrote, where the file in it belongs: the file is named.
     r = subprocess.run([*cmd, "--set", f"data.path={files}"], capture_output=True, text=True, env=ENV, cwd=tmp_path,
                        timeout=120)
-    assert r.returncode == 2 and r.stderr.strip().endswith(
-        f"is a directory (relative paths start at {tmp_path}); data.path is the token file itself: "
-        f"{str(files / 'train.bin')!r}."), r.stderr
+    assert r.returncode == 2 and r.stderr.strip() == (
+        f"jdp: error: data.path={str(files)!r} is a folder without meta.json; name its token file, "
+        f"data.path={str(files / 'train.bin')!r}, (and set data.vocab_size), or prepare the folder with jdp data "
+        f"prepare-tokens."), r.stderr
     assert os.listdir(tmp_path) == []  # nothing written
 
 

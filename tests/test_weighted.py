@@ -50,13 +50,23 @@ def own_count_loss(params, batch):
     return jnp.sum(w * nll) / jnp.sum(w), {"accuracy": jnp.sum(w * correct) / jnp.sum(w)}
 
 
-def token_batches(rows, steps=STEPS, seed=3):
-    """Packed rows with 1..L real tokens each (counts differ per row, device and micro-batch)."""
+PADDED = {  # rows of each step's global batch (M = 2 micro-batches of N·B rows) that are all padding
+    "first": slice(0, N * B),  # the first micro-batch: every device's weight is 0 on the step's first call
+    "second": slice(N * B, 2 * N * B),
+    "one_device": slice(0, B),  # with M = 1, the first device's rows: its weight is 0, the step's is not
+}
+
+
+def token_batches(rows, steps=STEPS, seed=3, padded=None):
+    """Packed rows with 1..L real tokens each (counts differ per row, device and micro-batch); the
+    rows PADDED[padded] have no real token."""
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(steps):
         lengths = rng.integers(1, L + 1, rows)
         weights = (np.arange(L)[None, :] < lengths[:, None]).astype(np.float32)
+        if padded is not None:
+            weights[PADDED[padded]] = 0.0
         x = rng.integers(0, V, (rows, L)).astype(np.int32)
         y = rng.integers(0, V, (rows, L)).astype(np.int32)
         out.append({"x": x, "y": y, "weights": weights})
@@ -69,13 +79,13 @@ def global_mean(params, batch):
 
 
 @functools.lru_cache(maxsize=None)
-def reference(m, lr_scale=1.0, opt="adam"):
+def reference(m, lr_scale=1.0, opt="adam", padded=None):
     """One device, plain JAX, the whole global batch of m·N·B rows per step: params, losses, accuracies."""
     tx = optax.adam(1e-2) if opt == "adam" else optax.sgd(0.5 * lr_scale)
     params = jax.device_put(token_params(), jax.devices()[0])
     state = tx.init(params)
     losses, accs = [], []
-    for batch in token_batches(m * N * B):
+    for batch in token_batches(m * N * B, padded=padded):
         loss, grads = jax.value_and_grad(global_mean)(params, batch)
         _, correct = per_token(params, batch)
         accs.append(float(jnp.sum(batch["weights"] * correct) / jnp.sum(batch["weights"])))
@@ -85,12 +95,12 @@ def reference(m, lr_scale=1.0, opt="adam"):
     return jax.device_get(params), losses, accs
 
 
-def run(loss_fn, m=1, opt="adam", **options):
+def run(loss_fn, m=1, opt="adam", padded=None, **options):
     tx = optax.adam(1e-2) if opt == "adam" else optax.sgd(0.5)
     step = jdp.make_train_step(loss_fn, tx, devices=jax.devices()[:N], has_aux=True, accum_steps=m, **options)
     state = step.init(token_params())
     history = []
-    for batch in token_batches(m * N * B):
+    for batch in token_batches(m * N * B, padded=padded):
         for micro in step.micro_batches(batch):
             state, metrics = step(state, micro)
         history.append(jax.device_get(metrics))
@@ -122,6 +132,47 @@ def test_weighted_loss_equals_one_device_per_token(mode):
     tokens = [b["weights"].sum() for b in token_batches(m * N * B)]
     np.testing.assert_allclose([h["weight"] for h in history], tokens, rtol=1e-6)  # the step's real tokens
     assert len(set(tokens)) > 1
+
+
+PADDED_MODES = {
+    "every": dict(m=2), "last": dict(m=2, accum_sync="last"), "pmap-every": dict(m=2, backend="pmap"),
+    "zero1-every": dict(m=2, shard_optimizer_state=True), "fsdp-every": dict(m=2, shard_params=True),
+    "fsdp-last": dict(m=2, accum_sync="last", shard_params=True), "skip-every": dict(m=2, skip_nonfinite=True),
+}
+
+
+@pytest.mark.parametrize("padded,mode", [(p, m) for p in ("first", "second") for m in PADDED_MODES]
+                         + [("one_device", "shard_map"), ("one_device", "pmap")])
+def test_a_call_or_device_of_padding_only_equals_one_device(padded, mode):
+    """A micro-batch that is all padding (weight 0 on every device for that call; the step still has
+    real tokens), or a device that holds only padding: one device on the whole global batch, params,
+    loss and both accuracies (the plain aux is 0/0 on a device of weight 0, which adds nothing)."""
+    options = dict(PADDED_MODES.get(mode, MODES.get(mode)))
+    m = options.pop("m", 1)
+    params, history = run(weighted_loss, m, padded=padded, **options)
+    want, losses, accs = reference(m, padded=padded)
+    assert max_abs_diff(params, want) <= 2e-6
+    np.testing.assert_allclose([h["loss"] for h in history], losses, rtol=2e-6)
+    np.testing.assert_allclose([h["aux"]["accuracy"] for h in history], accs, rtol=2e-6)
+    np.testing.assert_allclose([h["aux"]["plain_accuracy"] for h in history], accs, rtol=2e-6)
+    assert not any(h["skipped"] for h in history)
+
+
+def test_a_step_of_padding_only_gives_nan_or_is_skipped():
+    """The whole step's weight is 0: loss and params NaN ("every" and "last"), skipped under skip_nonfinite."""
+    zero = [dict(b, weights=np.zeros_like(b["weights"])) for b in token_batches(2 * N * B, 1)]
+    for options in (dict(), dict(accum_sync="last"), dict(skip_nonfinite=True)):
+        step = jdp.make_train_step(weighted_loss, optax.adam(1e-2), devices=jax.devices()[:N], has_aux=True,
+                                   accum_steps=2, **options)
+        state = step.init(token_params())
+        for micro in step.micro_batches(zero[0]):
+            state, metrics = step(state, micro)
+        assert np.isnan(metrics["loss"]) and int(metrics["weight"]) == 0
+        params = jdp.get_params(state)
+        if options.get("skip_nonfinite"):
+            assert bool(metrics["skipped"]) and max_abs_diff(params, token_params()) == 0
+        else:
+            assert np.isnan(params["emb"]).all()
 
 
 @pytest.mark.parametrize("m,sync", [(1, "every"), (2, "every")])

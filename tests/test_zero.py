@@ -224,3 +224,10 @@ def test_leaves_of_two_dtypes_scatter_and_gather_per_dtype():
     assert finals[1]["b"].dtype == jnp.bfloat16 and finals[1]["w"].dtype == np.float32
     assert_close(finals[1], finals[0], tol=0)
     assert len(reports[1].of_kind("reduce-scatter")) == len(reports[1].of_kind("all-gather")) == 2
+
+
+def test_a_stacked_leaf_is_split_after_its_layer_axis_even_where_that_axis_is_the_largest():
+    # A scanned model's stacked leaf (layers, ...): 8 layers of a (4,) bias over 4 devices. Its largest
+    # dimension that 4 divides is the layer axis; split there a device would hold 2 whole layers.
+    assert jdp.zero.split_dim((8, 4), 4) == 1
+    assert jdp.zero.split_dim((16, 4, 8), 4) == 2  # the largest after the first

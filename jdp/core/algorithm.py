@@ -106,7 +106,7 @@ def reduce_and_update(state: TrainState, local: LocalAccum, model_state, weighte
         local.grads, (local.loss, local.aux, model_state, local.weight), o)
     scale, extra = None, {}
     if weighted and o.multi_steps:
-        scale = weight_scale(state, weight)
+        scale = weight_scale(state, weight, o.accum_steps)
         extra = {"grad_scale": scale}
     elif weighted:  # the gradient of Σ w·l / Σ w: the reduced sums over the reduced weight, once
         grads = divided(grads, weight)
@@ -123,11 +123,19 @@ def reduce_and_update(state: TrainState, local: LocalAccum, model_state, weighte
             norm)
 
 
-def weight_scale(state: TrainState, weight):
+def weight_scale(state: TrainState, weight, accum_steps: int):
     """accum_sync="every", weighted loss: the factor that turns MultiSteps' running mean of the n
     reduced gradient sums so far into their sum over the step's weight so far: n / Σ_k weight_k
-    (weights are means over devices, like the sums)."""
-    return (state.opt_state.mini_step + 1).astype(jnp.float32) / (state.accum.weight + weight)
+    (weights are means over devices, like the sums).
+
+    Only the M-th call's factor reaches the params: n / the whole step's weight, which is 1/0 (NaN
+    params) for a step of no weight at all. Before it, MultiSteps still runs the inner update and
+    returns emit · update, so a 1/0 there (the step's first calls all padding) would be 0 · NaN: a
+    call before the last whose weight so far is 0 divides by 1 instead (its sums are 0 too).
+    """
+    calls, so_far = state.opt_state.mini_step + 1, state.accum.weight + weight
+    so_far = jnp.where((calls < accum_steps) & (so_far == 0), jnp.ones_like(so_far), so_far)
+    return calls.astype(jnp.float32) / so_far
 
 
 def update_now(state: TrainState, mean: LocalAccum, weighted: bool, step: Step):

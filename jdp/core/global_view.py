@@ -37,7 +37,7 @@ from jdp.core.annotations import explicit_axes, mapped_specs, say_once
 from jdp.core.layouts import ShardMapLayout, state_tree
 from jdp.core.mesh import data_axes, replicated
 from jdp.core.state import TrainState
-from jdp.core.zero import Cuts, spec
+from jdp.core.zero import Cuts, spec, state_owners
 
 _PIN = contextvars.ContextVar("jdp_pin_batch", default=None)  # the batch sharding while a jit step is traced
 
@@ -126,17 +126,16 @@ class JitLayout(ShardMapLayout):
             param_specs = cuts.specs() if self.shard == "params" else jax.tree.map(lambda _: P(), params)
         split = cuts.treedef.flatten_up_to(param_specs)
         opt_struct = jax.eval_shape(self.optimizer.init, cuts.struct)
-        index = cuts.treedef.unflatten(list(range(len(cuts.leaves))))
 
-        def opt_spec(x, i):  # an optimizer state leaf shaped like its param lies as that param does
-            if x.shape != cuts.leaves[i].shape:
+        def opt_spec(i, x):  # an optimizer state leaf that copies a param's shape lies as that param does
+            if i < 0:
                 return P()
             if any(a is not None for a in split[i]) or self.shard is None or self.explicit:
                 return split[i]  # Explicit axes: the update mixes it with the param, whose type it must share
             return spec(cuts.dims[i], len(x.shape), self.shard_axis)  # ZeRO-1: split though the param is whole
 
-        opt_specs = optax.tree_map_params(self.optimizer, opt_spec, opt_struct, index,
-                                          transform_non_params=lambda _: P())
+        # by the state's paths: optax.masked / multi_transform leave MaskedNode where a param is not theirs
+        opt_specs = jax.tree.map(opt_spec, state_owners(opt_struct, cuts), opt_struct)
         specs = state_tree(P(), P(), self.accum).replace(opt_state=opt_specs, params=param_specs)
         self.cuts, self._jitted = cuts, None
         self.state_shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs,

@@ -4,7 +4,8 @@ Under `shard_params=True` with `gather_in_model=True` the loss receives every sp
 as a `Split`: this device's block and how to make it whole. A model that runs its layers in a
 `jax.lax.scan` (jdp's GPT with `scan_layers=True`) calls `gather` on one layer's params inside
 the scan body, so only that layer is whole at a time; the all-gather's transpose is a
-reduce-scatter, so the backward pass reduce-scatters each layer's gradient as it makes it.
+reduce-scatter, so the backward pass reduce-scatters each layer's gradient as it makes it; a
+stacked leaf split along its layers is gathered whole before the scan (`gather_layer_axis`).
 Outside the sharded layout `gather` returns its argument: the same model code runs everywhere.
 """
 from __future__ import annotations
@@ -69,6 +70,21 @@ def gather(tree):
     reduce-scatters the layer's gradient in the backward pass, summed over the devices.
     """
     return jax.tree.map(lambda x: x.whole() if is_split(x) else x, tree, is_leaf=is_split)
+
+
+def gather_layer_axis(stack):
+    """A scanned model's stacked params (`stack`, leading axis: the layers) with every `Split` that
+    is split along that axis made whole (an all-gather each), before the scan; the others stay
+    blocks, for the scan body to `gather` one layer at a time.
+
+    The split axis is a leaf's largest after the first that N divides, else the first
+    (`jdp.zero.split_dim`): a stacked leaf no other dimension of which divides (a (3, 16) layer norm
+    on 3 devices) is split along its layers, and a scan over that block would see L/N of them.
+    Whole, it costs what a replicated leaf does during the step and stays 1/N between steps; its
+    gradient is reduce-scattered by the gather's transpose, as the other leaves' are.
+    """
+    return jax.tree.map(lambda x: x.whole() if is_split(x) and x.value.ndim + x.dim == 0 else x, stack,
+                        is_leaf=is_split)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))

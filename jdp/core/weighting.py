@@ -62,13 +62,14 @@ def as_sums(loss, aux, batch, mask_key: str | None, rows: int):
     """`(total, aux, weight)`: the loss as a sum over this device's examples with its weight.
 
     - `Weighted(total, weight)`: as given; plain aux scalars become `Weighted(a · weight, weight)`
-      (read as means over the same tokens), Weighted aux stay.
+      (read as means over the same tokens; 0 where the weight is 0, whose mean is 0/0: a device
+      of padding only adds nothing), Weighted aux stay.
     - under `mask_key` (loss = `sum(mask · l) / b`): total `b · loss`, weight `sum(mask)`; aux the same.
     - a plain mean: `(loss, aux, None)`: nothing to divide by.
     """
     if is_weighted(loss):
         weight = jnp.asarray(loss.weight, jnp.float32)
-        return loss.total, weighted_aux(aux, lambda a: Weighted(a * weight, weight)), weight
+        return loss.total, weighted_aux(aux, lambda a: Weighted(_times(a, weight), weight)), weight
     if mask_key is not None and isinstance(batch, dict) and mask_key in batch:
         weight = jnp.sum(batch[mask_key], dtype=jnp.float32)
         return loss * rows, weighted_aux(aux, lambda a: Weighted(a * rows, weight)), weight
@@ -77,6 +78,11 @@ def as_sums(loss, aux, batch, mask_key: str | None, rows: int):
             raise ValueError(f"aux{jax.tree_util.keystr(path)} is a jdp.Weighted but the loss is a plain mean; return "
                              f"the loss as jdp.Weighted(sum, weight) too, or aux{jax.tree_util.keystr(path)} as a mean.")
     return loss, aux, None
+
+
+def _times(mean, weight):
+    """`mean · weight`, 0 where `weight` is 0 (a mean over no tokens is 0/0 = NaN, and NaN · 0 is NaN)."""
+    return jnp.where(weight == 0, jnp.zeros_like(mean * weight), mean * weight)
 
 
 def weighted_aux(aux, wrap):

@@ -14,7 +14,8 @@ keeps one N-th of the optimizer state on each device, in the params' own shapes:
 4. the optimizer's update, written for whole arrays, runs on the blocks (`jdp.core.blockwise`):
    elementwise parts block by block, every reduction over a split dimension completed with one
    all-reduce, so `optax.clip_by_global_norm` sees the whole gradient's norm, `optax.adamw`'s mask
-   sees each leaf's own `ndim`, and `optax.adafactor` factors each leaf by its own shape;
+   sees each leaf's own `ndim`, `optax.adafactor` factors each leaf by its own shape, and
+   `optax.masked` / `optax.multi_transform` keep state for their own leaves only (`state_dims`);
 5. one all-gather per dtype gives every device the whole new params.
 
 A ring all-reduce is a reduce-scatter followed by an all-gather, so the traffic is the same:
@@ -44,7 +45,8 @@ def split_dim(shape, n: int) -> int:
     """The dimension a leaf of `shape` is split along over `n` devices: its largest one after the
     first that `n` divides (the first of equal ones), else the first if `n` divides it, or WHOLE (-1)
     if none does or n is 1. The first dimension comes last because stacked layers (a scanned
-    model's leading axis of layers) lie along it: split there, a device would hold whole layers."""
+    model's leading axis of layers) lie along it: split there, a device would hold whole layers
+    (a scanned model gathers such a leaf whole before its scan, `jdp.fsdp.gather_layer_axis`)."""
     dims = [i for i, s in enumerate(shape) if s and s % n == 0] if n > 1 else []
     later = [i for i in dims if i > 0]
     return max(later, key=lambda i: (shape[i], -i)) if later else dims[0] if dims else WHOLE
@@ -71,6 +73,17 @@ class Cuts:
         self.struct = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), params)
         self.leaves, self.treedef = jax.tree.flatten(self.struct)
         self.dims = [split_dim(x.shape, n) for x in self.leaves]
+
+    def whole_leaves(self) -> list[tuple[str, int]]:
+        """(path, bytes) of every leaf kept whole on each of the n devices (no dimension `split_dim`
+        may split over n), largest first; empty for n = 1, where nothing is split."""
+        if self.n == 1:
+            return []
+        # an nnx Variable's path ends in ".value": the name is the param's without it
+        paths = [jax.tree_util.keystr(path).removesuffix(".value")
+                 for path, _ in jax.tree_util.tree_flatten_with_path(self.struct)[0]]
+        whole = [(paths[i], self.block_bytes(i)) for i, k in enumerate(self.dims) if k == WHOLE]
+        return sorted(whole, key=lambda pb: -pb[1])
 
     def dim_tree(self):
         return self.treedef.unflatten(self.dims)
@@ -161,6 +174,36 @@ class Cuts:
         return x if self.dims[i] == WHOLE else lax.all_gather(x, self.axis, axis=self.dims[i], tiled=True)
 
 
+def state_owners(opt_struct, cuts: Cuts):
+    """For every optimizer state leaf, the index (into `cuts.leaves`) of the param it is a copy of:
+    the param of its shape at a path ending in the param's path (Adam's `.mu['l0']['w']` for
+    `['l0']['w']`, the longest such param), else -1 (step counts, adafactor's factored moments,
+    muon's coefficients).
+
+    Read from the paths, not from `optax.tree_map_params`, whose params-shaped subtrees must match
+    the params' whole structure: `optax.masked` and `optax.multi_transform` leave `optax.MaskedNode`
+    (no leaves) where a param is not theirs.
+    """
+    paths = {tuple(path): i for i, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path(cuts.struct)[0])}
+    lengths = sorted({len(p) for p in paths}, reverse=True)
+
+    def owner(path, x):
+        for n in lengths:
+            i = paths.get(tuple(path[len(path) - n:])) if n <= len(path) else None
+            if i is not None and x.shape == cuts.leaves[i].shape:
+                return i
+        return -1
+
+    return jax.tree_util.tree_map_with_path(owner, opt_struct)
+
+
+def state_dims(opt_struct, cuts: Cuts):
+    """The split dimension of every optimizer state leaf: its param's (`cuts.dims`, see
+    `state_owners`), else WHOLE. The dimensions only place the state: `blockwise` runs the update
+    exactly for any of them."""
+    return jax.tree.map(lambda i: WHOLE if i < 0 else cuts.dims[i], state_owners(opt_struct, cuts))
+
+
 def clip_by_global_norm(max_norm: float, axis: str = DATA_AXIS) -> optax.GradientTransformation:
     """`optax.clip_by_global_norm(max_norm)`: the sharded layouts run it as written, on the whole
     gradient's norm (`axis` is accepted for code written for jdp's earlier flat slices, and unused)."""
@@ -191,11 +234,7 @@ class ShardedStateLayout(ShardMapLayout):
         if self.cuts is not None and (cuts.treedef, cuts.leaves) == (self.cuts.treedef, self.cuts.leaves):
             return False
         self.opt_struct = jax.eval_shape(self.optimizer.init, cuts.struct)
-        index = cuts.treedef.unflatten(list(range(len(cuts.leaves))))
-        # an optimizer state leaf is split as its param is when it has the param's shape
-        self.opt_dims = optax.tree_map_params(
-            self.optimizer, lambda x, i: cuts.dims[i] if x.shape == cuts.leaves[i].shape else WHOLE,
-            self.opt_struct, index, transform_non_params=lambda _: WHOLE)
+        self.opt_dims = state_dims(self.opt_struct, cuts)
         opt_specs = jax.tree.map(lambda d, x: spec(d, len(x.shape), self.shard_axis), self.opt_dims, self.opt_struct)
         self.cuts, self._jitted = cuts, None
         self._specs = self.state_specs(opt_specs)

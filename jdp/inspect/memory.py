@@ -30,6 +30,7 @@ class MemoryReport:
     params_sharded: bool = False  # shard_params: the params are kept split between steps
     gathered: str | None = None  # shard_params: "whole model" (before the loss) or "per layer, by the model"
     replicas: int = 1  # hybrid sharding: the sharded state is split within each of this many device groups
+    whole: tuple = ()  # sharded layouts: (path, bytes) of the params leaves kept whole on every device
 
     @property
     def state(self) -> int:
@@ -55,6 +56,18 @@ class MemoryReport:
         return (f"params, gradient and optimizer state sharded{groups}, gathered {self.gathered}" if self.params_sharded
                 else f"optimizer state sharded{groups}" if self.sharded else "replicated")
 
+    def whole_text(self, shown: int = 3) -> str:
+        """The params leaves a sharded layout keeps whole on every device (with their optimizer state)
+        in words, the `shown` largest named with their bytes; "" when there are none."""
+        if not self.whole:
+            return ""
+        n, group = len(self.whole), self.devices // self.replicas
+        named = ", ".join(f"{path} {size:,} B" for path, size in self.whole[:shown])
+        more = f" and {n - shown} more" if n > shown else ""
+        leaves, its, it = ("params leaf stays", "its", "it") if n == 1 else ("params leaves stay", "their", "theirs")
+        return (f"{n} {leaves} whole on every device with {its} optimizer state, {sum(b for _, b in self.whole):,} B, "
+                f"as no dimension of {it} divides by {group}: {named}{more}")
+
     def __str__(self) -> str:
         layout = self.layout
         text = (f"{self.devices} device(s), {layout}: per device params {self.params:,} B, gradient "
@@ -63,6 +76,8 @@ class MemoryReport:
         if self.compiled:
             text += (", compiled step: " + ", ".join(f"{k} {v:,} B" for k, v in self.compiled.items())
                      + f" (allocates {self.allocated:,} B)")
+        if self.whole:
+            text += f"; {self.whole_text()}"
         return text
 
 
@@ -93,4 +108,5 @@ def memory_report(step, state, batch=None) -> MemoryReport:
                         gathered=None if not step.options.shard_params else
                         "by the partitioner (backend='jit')" if step.options.backend == "jit" else
                         "per layer, by the model (gather_in_model)" if step.options.gather_in_model else
-                        "whole model, before the loss", replicas=step.options.replicas)
+                        "whole model, before the loss", replicas=step.options.replicas,
+                        whole=() if cuts is None else tuple(cuts.whole_leaves()))

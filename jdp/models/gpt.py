@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jdp.core.global_view import pin_batch
-from jdp.core.split import gather
+from jdp.core.split import gather, gather_layer_axis
 from jdp.models.dtypes import compute_dtype
 
 _EMBED_INIT = nnx.initializers.normal(stddev=0.02)
@@ -131,6 +131,7 @@ def scan_blocks(layers: Block, x, mask, train: bool, rngs: nnx.Rngs | None, n_la
     two per layer in the order the unscanned blocks draw them, so both forms drop the same units.
     """
     graphdef, stack = nnx.split(layers)
+    stack = gather_layer_axis(stack)  # a leaf split along its layers (no later dimension divides): whole first
     keys = None if rngs is None else jnp.stack([jnp.stack([rngs.dropout(), rngs.dropout()]) for _ in range(n_layers)])
 
     def body(x, xs):

@@ -29,8 +29,10 @@ def prepared_data(values: Mapping) -> Mapping:
         raise ConfigError(f"data.path={quoted(path)}: {e}") from None
     if meta is None:
         if os.path.isdir(path):
-            raise ConfigError(f"data.path={quoted(path)} is a folder without meta.json; name its token file (and set "
-                              f"data.vocab_size), or prepare the folder with jdp data prepare-tokens.")
+            train = os.path.join(path, "train.bin")
+            inside = f", data.path={quoted(train)}," if os.path.isfile(train) else ""
+            raise ConfigError(f"data.path={quoted(path)} is a folder without meta.json; name its token file{inside} (and "
+                              f"set data.vocab_size), or prepare the folder with jdp data prepare-tokens.")
         return values
     resolved = dict(values)
     for key in ("vocab_size", "dtype"):

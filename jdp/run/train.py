@@ -26,7 +26,7 @@ from jdp.run.records import (DataStoppedError, EvaluationOutOfMemoryError, NonFi
                               evaluation_out_of_memory, language_model_units, stopping_line, train_record,
                               unreadable_batch)
 from jdp.run.tasks import build_task, train_step_for
-from jdp.run.workfiles import refuse_symlink
+from jdp.run.workfiles import MadeByRun, refuse_symlink
 
 # load_metrics, plot_metrics: jdp.run.metrics's, kept importable from here
 __all__ = ["DataStoppedError", "EvaluationOutOfMemoryError", "NonFiniteError", "StopSignals", "TrainResult", "itstime", "load_metrics", "meant_for_accelerators",
@@ -117,6 +117,8 @@ def train(config: Config, workdir: str, *, devices=None, log=print, progress: bo
     consecutive updates with NaN/Inf gradients (each skipped on every device). A damaged newest
     checkpoint is refused (ValueError) unless `fallback_to_intact`, which resumes from the newest
     intact one; a state holding NaN/Inf is never checkpointed (`jdp.run.checkpoint.NonFiniteStateError`).
+    A run that fails before its first record or checkpoint (as the step compiles) removes what it made
+    and left empty: checkpoints/, metrics.jsonl and the workdir (`jdp.run.workfiles.MadeByRun`).
     """
     if not workdir:
         raise ValueError("--workdir '' is empty; name the run's directory (or leave --workdir out for "
@@ -128,9 +130,12 @@ def train(config: Config, workdir: str, *, devices=None, log=print, progress: bo
     devices = _checked_devices(config, devices, workdir, allow_cpu, log)
     paths = (None, None) if task else (config.data.path, config.data.val_path)
     parts = _Parts.build(config, task or build_task(config), devices, facts, paths)
-    # Exits in reverse order: files closed and the last checkpoint write awaited, then the workdir
-    # released, all while the signals are still handled (a SIGTERM then cannot kill the write).
-    with StopSignals() as signals, locked_workdir(workdir, log), contextlib.ExitStack() as cleanup:
+    # A run that fails before it writes a record or checkpoint takes back the empty workdir and files it made.
+    made = MadeByRun(workdir, active=jax.process_index() == 0)
+    with made.dirs_on_failure(), StopSignals() as signals, locked_workdir(workdir, log), made.files_on_failure(), \
+            contextlib.ExitStack() as cleanup:
+        # Exits in reverse order: files closed and the last checkpoint write awaited, then the workdir
+        # released, all while the signals are still handled (a SIGTERM then cannot kill the write).
         cleanup.callback(parts.batches.close)
         refuse_symlink(os.path.join(workdir, "checkpoints"), "the checkpoint directory")
         checkpoints = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.train.keep_checkpoints)
@@ -250,8 +255,9 @@ class _Loop:
         the start and written with the first step's record. The step compiled here is the one the
         first call runs (jax reuses the compilation)."""
         report = memory_report(self.step, state, micro)
+        whole = f"; {report.whole_text()}" if report.whole else ""
         self.writer.log(f"memory per device ({report.layout}): state {report.state / 1e6:,.1f} MB, compiled "
-                        f"step peak {(report.allocated or 0) / 1e6:,.1f} MB")
+                        f"step peak {(report.allocated or 0) / 1e6:,.1f} MB{whole}")
         return {"memory_state_bytes": report.state, "memory_peak_bytes": report.allocated}
 
     def evaluate(self, state, s: int) -> dict:

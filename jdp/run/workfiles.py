@@ -128,5 +128,59 @@ def finish_deletions(directory: str) -> None:
                 _remove_doomed(entry.path)
 
 
-__all__ = ["DELETING", "SymlinkRefusedError", "finish_deletions", "is_jdp_checkpoint", "open_nofollow",
-           "refuse_symlink", "refuse_symlinks_in", "refusal", "remove_checkpoint"]
+FIRST_FILES = ("metrics.jsonl", "checkpoints")  # what a run makes in its workdir before its first step
+
+
+class MadeByRun:
+    """What a run is about to make, taken back if it fails while they are still empty (before its
+    first record or checkpoint, e.g. as the first step compiles): of `FIRST_FILES`, the workdir and
+    its parents, those that do not exist yet (`active=False`: nothing, for every process but the one
+    that writes). Only a run that held the workdir's lock removes anything (a run refused by it never
+    touches what the live one made)."""
+
+    def __init__(self, workdir: str, active: bool = True):
+        self.files = [os.path.join(workdir, n) for n in FIRST_FILES if not os.path.lexists(os.path.join(workdir, n))]
+        self.dirs, d = [], os.path.abspath(workdir)
+        while active and not os.path.lexists(d) and os.path.dirname(d) != d:
+            self.dirs.append(d)  # innermost first
+            d = os.path.dirname(d)
+        self.files = self.files if active else []
+        self.held = False
+
+    @contextlib.contextmanager
+    def files_on_failure(self):
+        """Inside the lock: if the block raises, remove the files made and left empty."""
+        self.held = True
+        try:
+            yield
+        except BaseException:
+            remove_if_empty(self.files)
+            raise
+
+    @contextlib.contextmanager
+    def dirs_on_failure(self):
+        """Outside the lock (its file gone): if the block raises, remove the directories made and left empty."""
+        try:
+            yield
+        except BaseException:
+            if self.held:
+                remove_if_empty(self.dirs)
+            raise
+
+
+def remove_if_empty(paths: list[str]) -> None:
+    """Remove each of `paths` (in order) that is an empty directory or an empty regular file;
+    anything that holds data, and any symlink, stays. Never follows a link."""
+    for path in paths:
+        try:
+            st = os.lstat(path)
+            if stat.S_ISDIR(st.st_mode):
+                os.rmdir(path)  # refused if it is not empty
+            elif stat.S_ISREG(st.st_mode) and st.st_size == 0:
+                os.unlink(path)
+        except OSError:
+            continue
+
+
+__all__ = ["DELETING", "FIRST_FILES", "MadeByRun", "SymlinkRefusedError", "finish_deletions", "is_jdp_checkpoint",
+           "open_nofollow", "refuse_symlink", "refuse_symlinks_in", "refusal", "remove_checkpoint", "remove_if_empty"]
