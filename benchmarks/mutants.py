@@ -768,7 +768,7 @@ MUTANTS = [
            "        annotations = param_annotations(copy)\n", "        annotations = None\n",
            ("tests/test_annotations.py::test_annotations_are_set_aside_under_shard_map_and_pmap_and_said_once",)),
     Mutant("callers_mesh_not_set_aside", "core/annotations.py",
-           "    if current.empty or current == mesh.abstract_mesh:", "    if True:",
+           "    if current == mesh.abstract_mesh or (current.empty and not explicit_axes(mesh)):", "    if True:",
            ("tests/test_annotations.py::test_annotations_are_set_aside_under_shard_map_and_pmap_and_said_once",)),
     Mutant("axis_rules_not_refused_off_jit", "core/options.py",
            'if rules and self.backend != "jit":', "if False:",
@@ -1030,6 +1030,31 @@ MUTANTS = [
            "return np.array(value, dtype=np.float32)",
            "return np.asarray(value, dtype=np.float32)",  # the GPT would change as torch trains its tensors in place
            ("tests/test_gpt_options.py::test_gpt_from_nanogpt_puts_each_matrix_where_nanogpt_uses_it",)),
+    # gemma through jit: backend="jit" on the caller's mesh (make_train_step(mesh=...)).
+    Mutant("jit_mesh_option_ignored", "core/step.py",
+           "self.mesh, data_axis = ((make_mesh(devices, o.axis_name, o.replicas), None) if mesh is None",
+           "self.mesh, data_axis = ((make_mesh(devices, o.axis_name, o.replicas), None) if True",
+           ("tests/test_annotations.py::test_a_model_for_an_explicit_mesh_of_its_own_axis_names_runs_on_it_under_jit[jit-fsdp]",)),
+    Mutant("explicit_mesh_split_by_jdp_fsdp", "core/annotations.py",
+           "elif shard_params and not explicit:",
+           "elif shard_params:",  # an unannotated bias split over the batch axis: the model's types no longer meet
+           ("tests/test_annotations.py::test_a_model_for_an_explicit_mesh_of_its_own_axis_names_runs_on_it_under_jit[jit-fsdp]",)),
+    Mutant("explicit_mesh_not_set_outside_the_callers_context", "core/annotations.py",
+           "(current.empty and not explicit_axes(mesh))",
+           "current.empty",  # the model's own out_sharding names axes no context mesh has
+           ("tests/test_annotations.py::test_a_model_for_an_explicit_mesh_of_its_own_axis_names_runs_on_it_under_jit[jit-fsdp]",)),
+    Mutant("users_mesh_state_split_along_its_last_axis", "core/global_view.py",
+           "self.shard_axis = mesh.axis_names[-1] if data_axis is None else data_axis",
+           "self.shard_axis = mesh.axis_names[-1]",  # FSDP along the size-1 axis: nothing split
+           ("tests/test_annotations.py::test_on_a_callers_auto_mesh_shard_params_splits_the_unannotated_leaves_too",)),
+    Mutant("users_mesh_batch_over_a_size_one_axis", "core/mesh.py",
+           "wide = [a for a in mesh.axis_names if mesh.shape[a] > 1]",
+           "wide = list(mesh.axis_names)",
+           ("tests/test_annotations.py::test_a_model_for_an_explicit_mesh_of_its_own_axis_names_runs_on_it_under_jit[jit-fsdp]",)),
+    Mutant("jit_missing_axis_left_to_jax", "core/global_view.py",
+           "if found is None or found.group(1) in self.layout.mesh.axis_names:",
+           "if True:",  # JAX's "Resource axis ... not found in mesh", which does not say to pass mesh=
+           ("tests/test_annotations.py::test_a_model_that_names_its_own_meshs_axes_on_jdps_mesh_is_told_to_pass_mesh",)),
 ]
 
 

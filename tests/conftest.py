@@ -222,6 +222,13 @@ QUICK = (
     "test_audit.py::test_a_loss_divided_by_each_devices_own_count_is_refused_in_one_sentence[shard_map]",
     "test_audit.py::test_batch_statistics_and_dropout_pass_as_a_mean_and_are_refused_as_an_own_count",
     "test_audit.py::test_weighted_losses_and_mask_key_are_not_audited_and_run",
+    # backend="jit" on the caller's mesh (mesh=): a model written for an Explicit mesh of its own axis
+    # names, its annotations kept; an Auto mesh with FSDP; the meshes jdp refuses.
+    "test_annotations.py::test_a_model_for_an_explicit_mesh_of_its_own_axis_names_runs_on_it_under_jit[jit-fsdp]",
+    "test_annotations.py::test_on_a_callers_auto_mesh_shard_params_splits_the_unannotated_leaves_too",
+    "test_annotations.py::test_a_mesh_jdp_cannot_run_on_is_refused_in_one_sentence",
+    "test_annotations.py::test_a_mesh_with_two_wide_axes_needs_the_batch_axis_named",
+    "test_annotations.py::test_a_model_that_names_its_own_meshs_axes_on_jdps_mesh_is_told_to_pass_mesh",
     # Test gaps: each catches a one-line bug that only slower tests (or none) saw.
     "test_state_and_mask.py::test_a_plain_aux_under_mask_key_is_its_mean_over_the_real_rows",
     "test_zero.py::test_a_stacked_leaf_is_split_after_its_layer_axis_even_where_that_axis_is_the_largest",

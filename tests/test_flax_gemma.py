@@ -17,10 +17,14 @@ aside, each marked `# jdp`: 5 —
   2. it returns `mean_loss` alone (its aux, per-row losses and logits, are arrays; jdp's aux are
      scalars), or for accumulation `jdp.Weighted(mean_loss * weights.sum(), weights.sum())` (the
      same value as a sum over the batch's real tokens and their count),
-  3. `jdp.nnx.make_train_step(model, loss_fn, optimizer, ...)` replaces `jit_fn(jax_train_step, ...)`,
+  3. `jdp.nnx.make_train_step(model, loss_fn, optimizer, ...)` replaces `jit_fn(jax_train_step, ...)`;
+     through jit its options name the example's own mesh (`mesh=mesh`): the step runs on it, the
+     batch split over its "fsdp", the params as their annotations say,
   4. `state = step.init()` makes the step's state from the model and the optimizer,
   5. `state, metrics = step(state, batch)` replaces `jit_train_step(model, optimizer, rngs, ...)` and
      `nnx.update(...)`.
+Counted as the lines marked so (`grep -c 'jdp ([1-5])$' tests/test_flax_gemma.py`: 5); the dict of
+the run's options (devices, mesh, the mode's options) is the test's, as the example's config is.
 Reading the params for the comparison (`jdp.get_params(state)`) is the test's, as
 `nnx.state(model, nnx.Param)` is on the reference's side.
 
@@ -39,6 +43,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 from flax_gemma import load
 
 import jdp
@@ -160,15 +165,17 @@ def port_loss_fn(weighted=False, label_smoothing=0.0, pad_id=0, with_capture=Tru
 
 
 def train_with_jdp(batches, shd_config, mesh=None, weighted=False, **options):
+    """The port: `(params, metrics, state)` after training on `batches`; with a `mesh` (backend="jit"),
+    the model is made under it and the step runs on it (`mesh=`), the batch split over its "fsdp"."""
     model, optimizer = model_and_optimizer(shd_config, mesh)
-    step = jdp.nnx.make_train_step(model, port_loss_fn(weighted), optimizer, needs_rng=True,  # jdp (3)
-                                   **{"devices": jax.devices()[:N], **options})
+    options = {"devices": jax.devices()[:N], **({"mesh": mesh} if mesh is not None else {}), **options}  # the run's
+    step = jdp.nnx.make_train_step(model, port_loss_fn(weighted), optimizer, needs_rng=True, **options)  # jdp (3)
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
         state = step.init()  # jdp (4)
         for batch in batches:
             for micro in step.micro_batches(batch):
                 state, metrics = step(state, micro)  # jdp (5)
-    return jdp.get_params(state), metrics
+    return jdp.get_params(state), metrics, state
 
 
 def max_diff(a, b):
@@ -198,7 +205,7 @@ def test_the_loss_as_written_is_refused_by_the_audit_under_shard_map():
 
 def test_the_weighted_loss_under_shard_map_equals_the_examples_step_on_one_device():
     """The example's loss as a sum over real tokens with their count: exact per device too."""
-    params, metrics = train_with_jdp(global_batches(1), ShardingConfig.no_sharding(), weighted=True)
+    params, metrics, _ = train_with_jdp(global_batches(1), ShardingConfig.no_sharding(), weighted=True)
     d = max_diff(params, one_device(1))
     print(f"\nshard_map, weighted: params Δ {d:.1e} vs the example's step on one device")
     assert d <= 1e-6
@@ -211,14 +218,24 @@ JIT_MODES = {"jit": dict(), "jit-accum": dict(accum_steps=2, weighted=True), "ji
 
 @needs_jit
 @pytest.mark.parametrize("mode", JIT_MODES)
-def test_the_port_through_jit_with_annotations_equals_the_examples_step_on_one_device(mode):
+def test_the_port_through_jit_with_annotations_equals_the_examples_step_on_one_device(mode, capsys):
     """The example's step as it runs: global arrays under jax.set_mesh of a mesh with Explicit axes
     named as the example names them, params annotated; the step's axis is the example's "fsdp"."""
     options = dict(JIT_MODES[mode])
     m = options.get("accum_steps", 1)
     mesh = jax.make_mesh((N, 1), ("fsdp", "tensor"), devices=jax.devices()[:N])
     shd = ShardingConfig.fsdp_tp_sharding(fsdp_axis_name="fsdp", tensor_parallel_axis_name="tensor")
-    params, _ = train_with_jdp(global_batches(m), shd, mesh, backend="jit", **options)
-    d = max_diff(params, one_device(m))
+    params, _, state = train_with_jdp(global_batches(m), shd, mesh, backend="jit", **options)
+    reference = one_device(m)
+    d = max_diff(params, reference)
+    for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(reference)):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    # the annotations honoured on the example's own mesh as written (they are its FSDP: split over "fsdp")
+    embedding, norm = state.params["embedder"]["embedding"], state.params["final_norm"]["scale"]
+    assert embedding.sharding.mesh == mesh and embedding.sharding.spec == P("tensor", "fsdp")
+    assert norm.sharding.spec == P("tensor")  # whole: a split would change the type the model's code expects
+    said = capsys.readouterr().err
+    assert said.count("jdp: ") == (1 if options.get("shard_params") else 0)
+    assert ("shard_params and shard_optimizer_state add no split of their own" in said) == (
+        "shard_params" in options)
     print(f"\n{mode}: params Δ {d:.1e} vs the example's step on one device")
-    assert d <= 1e-6

@@ -22,6 +22,12 @@ device holds whole params, so the annotations are set aside, said once. Either w
 lie on another mesh (a model made under `jax.set_mesh`) are brought to the host once, at `init`,
 and the step runs on its own mesh inside a caller's `jax.set_mesh` (shard_map and jit refuse a
 context mesh other than theirs).
+
+`make_train_step(..., backend="jit", mesh=mesh)` runs the step on the caller's mesh instead
+(`jdp.core.mesh.users_mesh`): the annotations' names that are its axes map to themselves. On a
+mesh with Explicit axes a sharding is part of an array's type, and the model's code (an einsum's
+`out_sharding`, a `reshard`) is written for its annotations: every annotated leaf keeps its
+annotation, the others are replicated, and shard_params adds no split of its own.
 """
 from __future__ import annotations
 
@@ -57,12 +63,15 @@ def jdp_axes(mesh) -> dict[str, int]:
     return dict(zip(mesh.axis_names, mesh.devices.shape))
 
 
-def mapped_specs(params, annotations, axis_rules: dict, mesh, shard_params: bool, shard_axis: str):
+def mapped_specs(params, annotations, axis_rules: dict, mesh, shard_params: bool, shard_axis: str,
+                 explicit: bool = False):
     """Per params leaf: `(PartitionSpec, names replicated because jdp's mesh lacks them)`.
 
     `annotations`: a tree like `params` of per-leaf annotations (None: not annotated). A leaf whose
     mapped annotation splits nothing follows jdp's layout (`split_dim` over `shard_axis` with
-    shard_params, else replicated).
+    shard_params, else replicated). `explicit` (a mesh with Explicit axes, where a sharding is part of
+    an array's type and the model's code is written for its annotations): every annotated leaf keeps
+    its annotation and the others are replicated; jdp's own split would change the types.
     """
     sizes, lacking = jdp_axes(mesh), []
     leaves, treedef = jax.tree.flatten(params)
@@ -78,9 +87,9 @@ def mapped_specs(params, annotations, axis_rules: dict, mesh, shard_params: bool
             if name is not None and axis is None and name not in axis_rules and name not in lacking:
                 lacking.append(name)
             out.append(axis if axis is not None and axis not in out and shape[dim] % sizes[axis] == 0 else None)
-        if any(out):
+        if any(out) or (explicit and note is not None):  # Explicit axes: the spec is the leaf's type, kept
             specs.append(P(*out))
-        elif shard_params:
+        elif shard_params and not explicit:
             k = split_dim(shape, sizes[shard_axis])
             specs.append(P() if k < 0 else P(*([None] * k), shard_axis, *([None] * (len(shape) - k - 1))))
         else:
@@ -126,8 +135,15 @@ def host_if_elsewhere(tree, mesh):
 
 def own_mesh(mesh):
     """A context in which the step runs on its own mesh: the caller's `jax.set_mesh` (another mesh) set
-    aside, as shard_map and jit refuse a context mesh other than theirs."""
+    aside, as shard_map and jit refuse a context mesh other than theirs. A mesh with Explicit axes (a
+    caller's, `make_train_step(mesh=...)`) is always set: code written for it (`reshard`, an einsum's
+    `out_sharding`) reads it from the context."""
     current = jax.sharding.get_abstract_mesh()
-    if current.empty or current == mesh.abstract_mesh:
+    if current == mesh.abstract_mesh or (current.empty and not explicit_axes(mesh)):
         return contextlib.nullcontext()
     return jax.set_mesh(mesh)
+
+
+def explicit_axes(mesh) -> bool:
+    """Whether `mesh` has an Explicit axis (`jax.make_mesh`'s default): shardings are part of the types."""
+    return any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)

@@ -6,7 +6,8 @@ does (Flax's NNX language model example, MaxText, Levanter). The loss sees all N
 so a per-token mean over the whole batch (the summed token loss divided by the batch's real tokens)
 is exact with no `jdp.Weighted`. Where the values lie is said with `NamedSharding`s:
 
-- the batch: split along its first axis over every device (hybrid: over both mesh axes);
+- the batch: split along its first axis over every device (hybrid: over both mesh axes; on a
+  caller's mesh, `make_train_step(mesh=...)`, over its batch axis: `jdp.core.mesh.users_mesh`);
 - the state: replicated; with `shard_optimizer_state` (ZeRO-1) every optimizer state leaf shaped
   like its param split along that param's `jdp.core.zero.split_dim`; with `shard_params` (FSDP)
   the params so split too; with `replicas` > 1 split over the "shard" axis only;
@@ -26,14 +27,15 @@ so the masks are one device's.
 from __future__ import annotations
 
 import contextvars
+import re
 
 import jax
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jdp.core.annotations import mapped_specs, say_once
+from jdp.core.annotations import explicit_axes, mapped_specs, say_once
 from jdp.core.layouts import ShardMapLayout, state_tree
-from jdp.core.mesh import batch_sharded, data_axes, replicated
+from jdp.core.mesh import data_axes, replicated
 from jdp.core.state import TrainState
 from jdp.core.zero import Cuts, spec, state_owners
 
@@ -62,14 +64,19 @@ class JitLayout(ShardMapLayout):
     global_view = True  # the loss sees the global batch: its values need no reduction over devices
     weight_devices = 1  # a reduced weight is the global weight already (shard_map: N × the mean)
 
-    def __init__(self, mesh, accum: str | None, optimizer: optax.GradientTransformation, shard: str | None = None):
+    def __init__(self, mesh, accum: str | None, optimizer: optax.GradientTransformation, shard: str | None = None,
+                 data_axis: str | None = None):
         super().__init__(mesh, accum)
         self.axis = None  # no axis is bound inside the step: nothing in it may name one
         self.optimizer, self.shard, self.cuts, self._device_step, self._jitted = optimizer, shard, None, None, None
-        self.batch = batch_sharded(mesh)
-        self.shard_axis = mesh.axis_names[-1]  # the state is split along the mesh's last axis (hybrid: "shard")
+        # the batch's axes: jdp's mesh's (all of them), or on a caller's mesh (`users_mesh`) its batch axis
+        self.data_axes = data_axes(mesh) if data_axis is None else data_axis
+        self.batch = NamedSharding(mesh, P(self.data_axes))
+        # the state is split along jdp's mesh's last axis (hybrid: "shard"), or a caller's mesh's batch axis
+        self.shard_axis = mesh.axis_names[-1] if data_axis is None else data_axis
         self.group = mesh.shape[self.shard_axis]
         self.annotations, self.rules = None, {}  # the params' own sharding annotations (`annotate`)
+        self.explicit = explicit_axes(mesh)  # a caller's mesh with Explicit axes: the annotations are types
 
     def annotate(self, annotations, rules: dict) -> None:
         """Lay the params out as their sharding annotations say, mapped by `rules` (`jdp.core.annotations`)."""
@@ -105,11 +112,16 @@ class JitLayout(ShardMapLayout):
             return False
         if self.annotations is not None:
             param_specs, lacking = mapped_specs(params, self.annotations, self.rules, self.mesh,
-                                                self.shard == "params", self.shard_axis)
+                                                self.shard == "params", self.shard_axis, self.explicit)
             if lacking:
                 say_once(f"backend='jit' replicates the params' annotated axes {', '.join(map(repr, lacking))}, which "
                          f"its mesh {dict(self.mesh.shape)} lacks; axis_rules={{{lacking[0]!r}: "
                          f"{self.shard_axis!r}}} would split along one.")
+            if self.explicit and self.shard is not None:
+                say_once(f"on the mesh {dict(self.mesh.shape)}, whose Explicit axes make a sharding part of an "
+                         f"array's type, the params and their optimizer state lie as the annotations say (their "
+                         f"split over {self.shard_axis!r} is the FSDP): shard_params and shard_optimizer_state "
+                         f"add no split of their own, which would change the types the model is written for.")
         else:
             param_specs = cuts.specs() if self.shard == "params" else jax.tree.map(lambda _: P(), params)
         split = cuts.treedef.flatten_up_to(param_specs)
@@ -118,8 +130,8 @@ class JitLayout(ShardMapLayout):
         def opt_spec(i, x):  # an optimizer state leaf that copies a param's shape lies as that param does
             if i < 0:
                 return P()
-            if any(a is not None for a in split[i]) or self.shard is None:
-                return split[i]
+            if any(a is not None for a in split[i]) or self.shard is None or self.explicit:
+                return split[i]  # Explicit axes: the update mixes it with the param, whose type it must share
             return spec(cuts.dims[i], len(x.shape), self.shard_axis)  # ZeRO-1: split though the param is whole
 
         # by the state's paths: optax.masked / multi_transform leave MaskedNode where a param is not theirs
@@ -149,7 +161,7 @@ class JitLayout(ShardMapLayout):
             raise ValueError("the step's state is sharded by the params' shapes: make the state with "
                              "step.init(params) first.")
         if self._jitted is None:
-            pin, step = NamedSharding(self.mesh, P(data_axes(self.mesh))), self._device_step
+            pin, step = self.batch, self._device_step
 
             def traced(state, batch):
                 token = _PIN.set(pin)
@@ -170,7 +182,15 @@ class _BoundStep:
         self.layout = layout
 
     def __call__(self, state, batch):
-        return self.layout.jitted()(state, batch)
+        try:
+            return self.layout.jitted()(state, batch)
+        except ValueError as e:  # the model's own code names an axis of the mesh it was written for
+            found = re.match(r"Resource axis: (\w+) of .* is not found in mesh", str(e))
+            if found is None or found.group(1) in self.layout.mesh.axis_names:
+                raise
+            raise ValueError(f"the model names the mesh axis {found.group(1)!r}, which the step's mesh "
+                             f"{dict(self.layout.mesh.shape)} lacks; run the step on the mesh the model was "
+                             f"written for with make_train_step(..., backend='jit', mesh=that_mesh).") from e
 
     def lower(self, state, batch):
         return self.layout.jitted().lower(state, batch)

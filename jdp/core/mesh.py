@@ -75,3 +75,36 @@ def replicated(mesh: Mesh) -> NamedSharding:
 def batch_sharded(mesh: Mesh) -> NamedSharding:
     """The leading axis is split evenly over the mesh's axis (a global batch, or pmap's stacked copies)."""
     return NamedSharding(mesh, P(data_axes(mesh)))
+
+
+def users_mesh(mesh, devices, axis_name: str, backend: str, replicas: int) -> tuple[Mesh, str]:
+    """`(mesh, the axis the batch is split over)` for `make_train_step(mesh=...)`: the caller's own mesh
+    (any axis names and types, e.g. Flax's NNX language model example's Explicit ("fsdp", "tensor")),
+    which backend="jit" runs the step on.
+
+    The batch axis is `axis_name` where the mesh has it, else the mesh's one axis of more than one
+    device (its other axes, of size 1, hold whole copies), else, on a one-device mesh, its first.
+    Refused in one sentence: another backend, hybrid sharding's `replicas`, `devices` other than
+    the mesh's, and a mesh with several axes of more than one device none of which is `axis_name`.
+    """
+    if not isinstance(mesh, Mesh):
+        raise ValueError(f"mesh={mesh!r} must be a jax.sharding.Mesh (e.g. jax.make_mesh((4, 1), ('fsdp', "
+                         f"'tensor'))) or None.")
+    if backend != "jit":
+        raise ValueError(f"mesh= runs the step on the caller's mesh, which only backend='jit' does; "
+                         f"backend={backend!r} builds its own 1-D mesh over `devices` (drop mesh, or use "
+                         f"backend='jit').")
+    if replicas != 1:
+        raise ValueError(f"replicas={replicas} builds hybrid sharding's own ('replica', 'shard') mesh; give either "
+                         f"replicas or mesh, not both.")
+    if devices is not None and sorted(_device(d).id for d in devices) != sorted(d.id for d in mesh.devices.flat):
+        raise ValueError(f"devices {[_device(d).id for d in devices]} are not the mesh's devices "
+                         f"{[d.id for d in mesh.devices.flat]}; with mesh= drop devices (the mesh's are used).")
+    if axis_name in mesh.axis_names:
+        return mesh, axis_name
+    wide = [a for a in mesh.axis_names if mesh.shape[a] > 1]
+    if len(wide) > 1:
+        raise ValueError(f"mesh {dict(mesh.shape)} has several axes of more than one device and none is "
+                         f"axis_name={axis_name!r}; name the axis the batch is split over with axis_name=, one of "
+                         f"{tuple(wide)}.")
+    return mesh, (wide or list(mesh.axis_names))[0]

@@ -88,7 +88,7 @@ from jdp.core.fsdp import FullyShardedLayout, host_whole
 from jdp.core.global_view import JitLayout
 from jdp.core.layouts import LAYOUTS, UNSIZED
 from jdp.core.loss import call_loss
-from jdp.core.mesh import DATA_AXIS, make_mesh
+from jdp.core.mesh import DATA_AXIS, make_mesh, users_mesh
 from jdp.core.optim import OptimizerSpec, check_optimizer, for_reduction, with_grad_scale
 from jdp.core.options import StepOptions
 from jdp.core.placement import Placement
@@ -101,7 +101,7 @@ from jdp.cpu import RunAhead
 class TrainStep:
     """A compiled data-parallel training step. Build it with `make_train_step`."""
 
-    def __init__(self, loss_fn: Callable, optimizer, options: StepOptions, devices=None, param_axes=None):
+    def __init__(self, loss_fn: Callable, optimizer, options: StepOptions, devices=None, param_axes=None, mesh=None):
         if isinstance(optimizer, optax.MultiSteps):  # optax's accumulating wrapper: checked in init with the rest
             optimizer = optimizer.gradient_transformation()
         if not isinstance(optimizer, (optax.GradientTransformation, OptimizerSpec)):
@@ -110,7 +110,8 @@ class TrainStep:
         if not callable(loss_fn):
             raise ValueError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
         self.options = o = options
-        self.mesh = make_mesh(devices, o.axis_name, o.replicas)
+        self.mesh, data_axis = ((make_mesh(devices, o.axis_name, o.replicas), None) if mesh is None
+                                else users_mesh(mesh, devices, o.axis_name, o.backend, o.replicas))
         self.devices = list(self.mesh.devices.flat)
         self.num_devices = len(self.devices)
         self.local_devices = len(self.mesh.local_devices)  # this process's share of the mesh
@@ -122,7 +123,7 @@ class TrainStep:
         # accum_sync="last" sums per device; "every" (M > 1) sums reduced, replicated metrics.
         accum = "per_device" if o.local_accum else "replicated" if o.multi_steps else None
         self.layout = (JitLayout(self.mesh, accum, self.optimizer, "params" if o.shard_params else
-                                 "optimizer" if o.shard_optimizer_state else None) if o.backend == "jit"
+                                 "optimizer" if o.shard_optimizer_state else None, data_axis) if o.backend == "jit"
                        else FullyShardedLayout(self.mesh, accum, self.optimizer, o.precision, o.gather_in_model)
                        if o.shard_params
                        else ShardedStateLayout(self.mesh, accum, self.optimizer) if o.shard_optimizer_state
@@ -294,7 +295,7 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation |
                     shard_optimizer_state: bool = False, shard_params: bool = False,
                     axis_name: str = DATA_AXIS, sync_batchnorm: bool = True,
                     gather_in_model: bool = False, replicas: int = 1, axis_rules: dict | None = None,
-                    param_axes=None, audit: bool = True) -> TrainStep:
+                    param_axes=None, audit: bool = True, mesh: jax.sharding.Mesh | None = None) -> TrainStep:
     """Build a data-parallel training step.
 
     Args:
@@ -360,6 +361,12 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation |
       audit: True (default): the first call checks that a plain scalar loss is a mean over its rows,
         on a few rows of every device (`jdp.core.audit`), and refuses one that divides by each
         device's own count of tokens (a mean of per-device means); False skips the check.
+      mesh: backend="jit" only: run the step on this `jax.sharding.Mesh` (its own axis names and
+        types, e.g. the Explicit ("fsdp", "tensor") mesh a model was made under) instead of jdp's
+        1-D mesh over `devices`: the batch is split over `axis_name` if the mesh has it, else over
+        its one axis of more than one device; the params' annotations naming its axes are
+        honoured as they are, and shard_params/shard_optimizer_state split along the batch axis
+        (`jdp.core.mesh.users_mesh`).
 
     Returns:
       A `TrainStep`: `state = step.init(params)`, `state, metrics = step(state, batch)` where the
@@ -371,7 +378,7 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation |
                           precision=precision, reduce_dtype=reduce_dtype, shard_optimizer_state=shard_optimizer_state,
                           shard_params=shard_params, axis_name=axis_name, sync_batchnorm=sync_batchnorm,
                           gather_in_model=gather_in_model, replicas=replicas, axis_rules=axis_rules, audit=audit)
-    return TrainStep(loss_fn, optimizer, options, devices, param_axes)
+    return TrainStep(loss_fn, optimizer, options, devices, param_axes, mesh)
 
 
 def get_params(state: TrainState):
