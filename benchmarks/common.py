@@ -129,20 +129,26 @@ def tree_bytes_per_device(tree) -> int:
 def step_runner(step, sizes) -> tuple[Callable[[int], float], object, list]:
     """A compiled, warmed-up `run(n) -> seconds` of `n` calls of `step` on the benchmark MLP, alternating
     two pre-placed batches; also its initial state and the placed batches (for reports)."""
+    placed = [step.shard_batch(b) for b in mlp_batches(sizes, 2)]
+    first = step.init(mlp_params(sizes))
+    return calls_timer(step, first, placed), first, placed
+
+
+def calls_timer(step, state, placed) -> Callable[[int], float]:
+    """`run(n) -> seconds` of `n` calls of `step`, from `state` on (each call's state carried to the
+    next), alternating the pre-placed batches `placed`; waits for the last state before it stops the clock."""
     import jax
 
-    placed = [step.shard_batch(b) for b in mlp_batches(sizes, 2)]
-    box = [step.init(mlp_params(sizes))]
-    first = box[0]
+    box = [state]
 
     def run(n):
         t0 = time.perf_counter()
         for i in range(n):
-            box[0], _ = step(box[0], placed[i % 2])
+            box[0], _ = step(box[0], placed[i % len(placed)])
         jax.block_until_ready(box[0])
         return time.perf_counter() - t0
 
-    return run, first, placed
+    return run
 
 
 def time_layouts(steps: dict, sizes, repeats: int, timed_steps: int, log=print, label: str = "") -> tuple[dict, dict]:

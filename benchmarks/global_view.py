@@ -17,7 +17,7 @@ import argparse
 import os
 import time
 
-from benchmarks.common import ROOT, interleave, median, mlp_loss, mlp_params, paired_ratio
+from benchmarks.common import ROOT, calls_timer, interleave, median, mlp_loss, mlp_params, paired_ratio
 
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "global_view.md")
 DEVICES = 8
@@ -74,21 +74,6 @@ def _kinds(report) -> str:
     return ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items())) or "none"
 
 
-def _runner(step, state, placed):
-    import jax
-
-    box = [state]
-
-    def run(n):
-        t0 = time.perf_counter()
-        for i in range(n):
-            box[0], _ = step(box[0], placed[i % 2])
-        jax.block_until_ready(box[0])
-        return time.perf_counter() - t0
-
-    return run
-
-
 def _trained(step, state, placed, steps: int):
     """(the params on the host, the state) after `steps` steps on the two batches in turn."""
     import jax
@@ -121,7 +106,7 @@ def compare(model: str, build, layout: str, steps: int, repeats: int, timed: int
                         "collective_bytes": comm.bytes_per_update}
         params[backend], state = _trained(step, state, placed, steps)  # the same batches from the same start
         row[backend]["vs_one_device"] = _max_diff(params[backend], reference)
-        runners[backend] = _runner(step, state, placed)
+        runners[backend] = calls_timer(step, state, placed)
         runners[backend](1)
     row["max_abs_dparam"] = _max_diff(params["jit"], params["shard_map"])
     times = interleave(runners, timed, repeats, log=lambda *a, **k: None)
