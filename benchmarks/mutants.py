@@ -1055,6 +1055,12 @@ MUTANTS = [
            "if found is None or found.group(1) in self.layout.mesh.axis_names:",
            "if True:",  # JAX's "Resource axis ... not found in mesh", which does not say to pass mesh=
            ("tests/test_annotations.py::test_a_model_that_names_its_own_meshs_axes_on_jdps_mesh_is_told_to_pass_mesh",)),
+    # init traced for its shapes
+    Mutant("traced_init_reads_a_tracers_sharding", "core/annotations.py",
+           "        except AttributeError:  # a traced value (init under jax.eval_shape or jit): placed by the trace\n"
+           "            return x\n",
+           "        except IndexError:\n            return x\n",
+           ("tests/test_annotations.py::test_init_can_be_traced_for_the_states_shapes",)),
 ]
 
 

@@ -161,6 +161,7 @@ QUICK = (
     "test_sharded_optax.py::test_masked_partitioned_and_muon_equal_one_device[masked-zero1]",
     "test_sharded_optax.py::test_masked_partitioned_and_muon_equal_one_device[muon-fsdp]",
     "test_sharded_optax.py::test_masked_and_muon_under_jit_equal_one_device[masked-fsdp]",
+    "test_annotations.py::test_init_can_be_traced_for_the_states_shapes",
     "test_fsdp_layers.py::test_the_loop_gathers_each_layer_and_reduce_scatters_its_gradient",
     "test_fsdp_layers.py::test_per_layer_gathering_equals_one_device[fp32]",
     "test_fsdp_layers.py::test_a_stacked_leaf_split_along_its_layers_is_gathered_before_the_scan",

@@ -242,3 +242,14 @@ def test_a_model_that_names_its_own_meshs_axes_on_jdps_mesh_is_told_to_pass_mesh
                                              r"\{'data': 4\} lacks; run the step on the mesh the model was written "
                                              r"for with make_train_step\(\.\.\., backend='jit', mesh=that_mesh\)\."):
             step(state, DATA[0])
+
+
+def test_init_can_be_traced_for_the_states_shapes():
+    """`jax.eval_shape(step.init, params)`: the state's shapes without computing it (benchmarks/gpu_parts.py
+    compiles a large model's step from them). A traced params value has no sharding for the check of
+    params made on another mesh to read."""
+    from tests.helpers import mlp_loss, mlp_params
+
+    step = jdp.make_train_step(mlp_loss, optax.adam(1e-2), devices=jax.devices()[:2])
+    shapes = jax.eval_shape(step.init, mlp_params())
+    assert jax.tree.map(np.shape, shapes.params) == jax.tree.map(np.shape, mlp_params())

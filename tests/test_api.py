@@ -35,8 +35,8 @@ def test_indivisible_batch_names_both_numbers(backend, size, n):
 
 
 def test_bad_arguments_are_rejected():
-    with pytest.raises(ValueError, match="backend='jit' is not supported"):
-        jdp.make_train_step(mlp_loss, optax.sgd(0.1), backend="jit")
+    with pytest.raises(ValueError, match="backend='gspmd' is not supported"):
+        jdp.make_train_step(mlp_loss, optax.sgd(0.1), backend="gspmd")
     with pytest.raises(ValueError, match="reduction='max' is not supported"):
         jdp.make_train_step(mlp_loss, optax.sgd(0.1), reduction="max")
     with pytest.raises(ValueError, match="optimizer must be an optax.GradientTransformation"):

@@ -104,8 +104,8 @@ CONFIG_CASES = [
      "data.batch_size=128 is not a multiple of parallel.accum_steps × devices = 1 × 3; use a multiple of 3."),
     ("missing-config-file", None, ["{dir}/nope.yaml"],
      "config '{dir}/nope.yaml' is neither a file nor a shipped config; the shipped ones are char_gpt, char_gpt_bf16, "
-     "char_gpt_tokens, digits_cnn_syncbn, digits_mlp, digits_mlp_accum_psum, digits_mlp_bf16, gpt2_small, seed_linear "
-     "(jdp configs lists them)."),
+     "char_gpt_tokens, digits_cnn_syncbn, digits_mlp, digits_mlp_accum_psum, digits_mlp_bf16, gpt2_small, seed_linear, "
+     "stdlib_bpe_gpt (jdp configs lists them)."),
     ("config-is-a-directory", None, ["{dir}"], "config '{dir}' is a directory, and a directory is never a config; "
      "give a YAML file or the name of a shipped config: char_gpt, "),
     ("set-without-equals", None, ["--set", "optim.lr"],

@@ -126,8 +126,11 @@ def has_annotations(annotations) -> bool:
 def host_if_elsewhere(tree, mesh):
     """`tree` with every array that lies on another mesh (a model made under `jax.set_mesh`) as host numpy."""
     def one(x):
-        if isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding) and x.sharding.mesh != mesh \
-                and x.is_fully_addressable:
+        try:
+            sharding = x.sharding if isinstance(x, jax.Array) else None
+        except AttributeError:  # a traced value (init under jax.eval_shape or jit): placed by the trace
+            return x
+        if isinstance(sharding, NamedSharding) and sharding.mesh != mesh and x.is_fully_addressable:
             return np.asarray(jax.device_get(x))
         return x
     return jax.tree.map(one, tree)
