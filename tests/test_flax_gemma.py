@@ -29,10 +29,9 @@ Reading the params for the comparison (`jdp.get_params(state)`) is the test's, a
 `nnx.state(model, nnx.Param)` is on the reference's side.
 
 Tests: the loss as written is refused by the first-call audit under shard_map (it divides by each
-device's own count); its weighted form under shard_map equals the example's step on one device (so
-the reference and the port are checked today); and through `backend="jit"`, with the annotations
-kept, the loss as written equals it, with accumulation (weighted form) and FSDP: those run only where
-jdp has that backend (`jdp.core.options.BACKENDS`) and are skipped, saying so, before.
+device's own count); its weighted form under shard_map equals the example's step on one device; and
+through `backend="jit"` on the example's own mesh, with the annotations kept, the loss as written
+equals it, with accumulation and FSDP.
 """
 import contextlib
 import functools
@@ -48,14 +47,11 @@ from flax_gemma import load
 
 import jdp
 from jdp.core.audit import AuditError
-from jdp.core.options import BACKENDS
 
 VOCAB, LENGTH, N, B, STEPS = 64, 16, 4, 2, 3  # tokens, row length, devices, rows per device and call, steps
 gemma = load()
 example, transformer_lib = gemma.train, gemma.transformer
 ShardingConfig = gemma.transformer_cfg.ShardingConfig
-needs_jit = pytest.mark.skipif("jit" not in BACKENDS, reason="jdp has no backend='jit' yet "
-                                                             "(jdp.core.options.BACKENDS); the port runs through it")
 
 
 def config(shd_config):
@@ -216,7 +212,6 @@ JIT_MODES = {"jit": dict(), "jit-accum": dict(accum_steps=2, weighted=True), "ji
              "jit-fsdp-accum": dict(accum_steps=2, shard_params=True, weighted=True)}
 
 
-@needs_jit
 @pytest.mark.parametrize("mode", JIT_MODES)
 def test_the_port_through_jit_with_annotations_equals_the_examples_step_on_one_device(mode, capsys):
     """The example's step as it runs: global arrays under jax.set_mesh of a mesh with Explicit axes
