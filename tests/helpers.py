@@ -96,3 +96,15 @@ SHARDED_OPTIMIZERS = {
     # grad_norm runs 0.55-0.65 on these batches: clipping at 0.6 engages on some steps, not all.
     "adamw_clip": jdp.OptimizerSpec(name="adamw", lr=1e-2, weight_decay=0.1, clip_norm=0.6),
 }
+
+
+def cli(capsys, *argv):
+    """`jdp ARGV` in this process: its exit code, stdout and stderr as a CompletedProcess."""
+    import subprocess
+
+    from jdp.run.cli import main
+
+    capsys.readouterr()
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(argv, code, out, err)

@@ -16,6 +16,7 @@ import pytest
 import tensorstore as ts
 
 from benchmarks.common import child_env
+from helpers import cli
 from jdp.run.checkpoint import latest_params
 from jdp.run.cli import main
 from jdp.config import load_config
@@ -29,14 +30,6 @@ ARGS = ["train", "--devices", "2", "--steps", "2", "--checkpoint-every", "1", "-
         "--set", "data.batch_size=64", "--set", "model.hidden=[8]", "--no-progress"]
 # One xdist worker runs this file: the template is trained once.
 pytestmark = pytest.mark.xdist_group("test_faults_checkpoint")
-
-
-def cli(capsys, *argv):
-    """`jdp ARGV` in this process: (exit code, stderr) as a CompletedProcess, for assert_refused."""
-    capsys.readouterr()
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return subprocess.CompletedProcess(argv, code, out, err)
 
 
 @pytest.fixture(scope="module")

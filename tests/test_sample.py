@@ -17,6 +17,7 @@ import tensorstore as ts
 from flax import nnx
 
 from jdp.models.decode import greedy_reference
+from helpers import cli
 from jdp.run.checkpoint import latest_params
 from jdp.run.cli import main
 from jdp.run.metrics import curves_figure, load_metrics
@@ -32,13 +33,6 @@ LAYOUTS = {"replicated": [], "zero1": ["parallel.shard_optimizer_state=true"],
            "fsdp_unscanned": ["parallel.shard_params=true", "model.scan_layers=false"]}
 PROMPTS = ["01", "?5:"]
 VAL_BYTES_PER_TOKEN = 2.0  # what the folder's meta.json says of val.bin (a made-up ratio: the test's to check)
-
-
-def cli(capsys, *argv):
-    capsys.readouterr()
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return subprocess.CompletedProcess(argv, code, out, err)
 
 
 @pytest.fixture(scope="module")
