@@ -83,7 +83,7 @@ import pytest  # noqa: E402
 # trainer with one resume, `jdp train` as one multi-process run, the CLI's one-sentence exits, `jdp
 # plot` in process, the docs' files, schema and quoted console lines. The slower end-to-end runs (the
 # CLI's train-plot-resume, every trap, every case) are in the full suite. Every new check or path adds a
-# cheap test here that a one-line bug in it fails (its mutant in benchmarks/mutants.py is caught by the
+# cheap test here that a one-line bug in it fails (its mutant in tests/mutants.py is caught by the
 # quick tier). An entry is a file, a test, or one parametrized case of a test (`name[id]`).
 QUICK = (
     "test_seeds.py", "test_config.py", "test_data.py", "test_data_order.py", "test_drop_last_divisible.py",
@@ -180,7 +180,7 @@ QUICK = (
     "test_data_sources.py::test_a_mid_epoch_state_resumes_exactly",
     "test_data_sources.py::test_a_random_transform_is_seeded_from_seed_epoch_and_index",
     "test_tokens_train.py::test_a_bad_token_config_exits_2[overrides0-data.name='tokens' needs data.vocab_size]",
-    # Each catches one-line bugs of a kind the quick tier once missed (benchmarks/mutants.py names them).
+    # Each catches one-line bugs of a kind the quick tier once missed (tests/mutants.py names them).
     "test_facts.py", "test_train.py::test_evaluation_leaves_the_padding_of_the_last_batch_out",
     "test_state_and_mask.py::test_model_state_is_carried_and_averaged[2-last-shard_map]",
     "test_nnx.py::test_stored_rngs_are_reseeded_per_device",

@@ -1,6 +1,6 @@
 """The mutation check's list stays in step with the code: every snippet occurs exactly once.
 
-`python -m benchmarks.mutants` runs the mutants (minutes); this only checks that each one still
+`python -m tests.mutants` runs the mutants (minutes); this only checks that each one still
 applies, so a refactor that moves a line makes a mutant fail loudly here instead of going stale.
 JDP_MUTANTS_SOURCE names another copy of the package to check (as `--jdp` does for the runner).
 """
@@ -9,7 +9,7 @@ import pathlib
 
 import pytest
 
-from benchmarks.mutants import MUTANTS
+from tests.mutants import MUTANTS
 
 ROOT = pathlib.Path(__file__).parents[1]
 SOURCE = pathlib.Path(os.environ.get("JDP_MUTANTS_SOURCE", ROOT / "jdp"))
@@ -32,7 +32,7 @@ def test_names_are_unique_and_selections_exist():
 
 
 def test_each_mutant_meets_the_quick_tier_first_then_its_selection():
-    from benchmarks.mutants import Mutant, stages
+    from tests.mutants import Mutant, stages
 
     m = Mutant("m", "core/step.py", "a", "b", ("tests/test_zero.py", "-k", "sgd and not adam", "tests/test_fsdp.py::t"))
     quick = ("quick", ("-m", "quick", "tests/test_zero.py", "tests/test_fsdp.py::t"))  # the -k dropped

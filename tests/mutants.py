@@ -1,12 +1,12 @@
 """Mutation check: deliberate bugs in jdp, each of which the tests must catch, and which tier catches it.
 
-  python -m benchmarks.mutants                 # every mutant: the quick tier first, then its selection
-  python -m benchmarks.mutants --only A,B      # these mutants
-  python -m benchmarks.mutants --selection     # the fast path: each mutant's own selection only, no tier
-  python -m benchmarks.mutants --whole-quick   # where the quick tests of its files miss it, the whole quick tier
-  python -m benchmarks.mutants --jdp DIR       # mutate another copy of the package (e.g. an older commit's)
-  python -m benchmarks.mutants --baseline      # first, every selection on the unmutated copy: must pass
-  python -m benchmarks.mutants --list
+  python -m tests.mutants                 # every mutant: the quick tier first, then its selection
+  python -m tests.mutants --only A,B      # these mutants
+  python -m tests.mutants --selection     # the fast path: each mutant's own selection only, no tier
+  python -m tests.mutants --whole-quick   # where the quick tests of its files miss it, the whole quick tier
+  python -m tests.mutants --jdp DIR       # mutate another copy of the package (e.g. an older commit's)
+  python -m tests.mutants --baseline      # first, every selection on the unmutated copy: must pass
+  python -m tests.mutants --list
 
 Each mutant is one edit: an exact snippet of a file under jdp/ that must occur exactly once there,
 and its replacement, and a selection of tests (the cheapest that catches it). For each, the package
@@ -36,7 +36,7 @@ The snippet check in tests/test_mutants.py reads the unmutated package (JDP_MUTA
 never "catches" a mutant in the whole quick tier.
 
 A mutant is caught when a test fails, survives when every stage passes. The table (with the tier
-of each) goes to stdout and, for a run of every mutant, to benchmarks/results/mutants.md. Exit
+of each) goes to stdout and, for a run of every mutant, to tests/mutants.md. Exit
 status 1 if any mutant survives, any snippet does not occur exactly once (a stale mutant is an
 error, never a pass), or a stage errs.
 """
@@ -53,7 +53,7 @@ import time
 from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RESULTS = os.path.join(ROOT, "benchmarks", "results", "mutants.md")
+RESULTS = os.path.join(ROOT, "tests", "mutants.md")
 SANITY = "mutant sanity check: jdp imported from"
 
 
@@ -1258,7 +1258,7 @@ def main(argv=None) -> int:
     mutants = sum(bool(m.old) for m, _ in rows)
     flags = "".join(f" {f}" for f, on in (("--baseline", a.baseline), ("--selection", mode == "selection"),
                                             ("--whole-quick", mode == "whole-quick")) if on)
-    report = (f"# Mutation check\n\n`python -m benchmarks.mutants{flags}`: {mutants} mutants of "
+    report = (f"# Mutation check\n\n`python -m tests.mutants{flags}`: {mutants} mutants of "
               f"{source_label(jdp_dir)}, {summary(rows, mode)}, in {total:.0f} s on {os.cpu_count()} CPU cores."
               f"\n\n{table(rows, mode)}\n")
     print(report)
