@@ -222,7 +222,17 @@ QUICK = (
     # passes; a weighted loss is not audited.
     "test_audit.py::test_a_loss_divided_by_each_devices_own_count_is_refused_in_one_sentence[shard_map]",
     "test_audit.py::test_batch_statistics_and_dropout_pass_as_a_mean_and_are_refused_as_an_own_count",
-    "test_audit.py::test_weighted_losses_and_mask_key_are_not_audited_and_run",
+    "test_audit.py::test_weighted_losses_are_not_audited_and_a_mask_key_loss_is_audited_as_a_mean",
+    "test_audit.py::test_a_loss_divided_by_each_devices_own_count_is_refused_in_one_sentence[pmap]",
+    # The audit's parts: micro-batches, sums and fixed divisors, mask_key, bfloat16 returns, dropout, aux.
+    "test_audit_cases.py::test_an_own_count_loss_split_into_micro_batches_is_refused_before_step_one[jit_accum]",
+    "test_audit_cases.py::test_a_sum_or_a_fixed_divisor_is_refused_on_devices_and_micro_batches[shard_map-sum]",
+    "test_audit_cases.py::test_a_mask_key_loss_divided_by_sum_of_the_mask_is_refused_and_names_what_mask_key_expects",
+    "test_audit_cases.py::test_a_mean_returned_in_bfloat16_trains_and_equals_one_device",
+    "test_audit_cases.py::test_a_count_in_aux_is_named_once_and_trains",
+    "test_audit_cases.py::test_dropout_from_the_key_passes[jit_accum]",
+    "test_audit_cases.py::test_an_own_count_loss_split_into_micro_batches_is_refused_before_step_one[one_device_accum]",
+    "test_audit_cases.py::test_a_loss_exact_per_device_but_normalised_per_micro_batch_is_located_there",
     # backend="jit" on the caller's mesh (mesh=): a model written for an Explicit mesh of its own axis
     # names, its annotations kept; an Auto mesh with FSDP; the meshes jdp refuses.
     "test_annotations.py::test_a_model_for_an_explicit_mesh_of_its_own_axis_names_runs_on_it_under_jit[jit-fsdp]",

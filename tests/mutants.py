@@ -887,25 +887,25 @@ MUTANTS = [
            "if False:",  # an own-count loss trains as a mean of per-device means, silently
            ("tests/test_audit.py::test_a_loss_divided_by_each_devices_own_count_is_refused_in_one_sentence[shard_map]",)),
     Mutant("audit_compares_the_gathered_rows_with_themselves", "core/audit.py",
-           "jnp.stack([x, y]), rotated, repeated)",
-           "jnp.stack([x, y]), rotated, rotated)",
-           ("tests/test_audit.py::test_a_loss_divided_by_each_devices_own_count_is_refused_in_one_sentence[shard_map]",)),
-    Mutant("audit_tolerance_too_loose_to_fire", "core/audit.py",
+           "jnp.concatenate([a, b]), rotated, repeated)",
+           "jnp.concatenate([a, b]), rotated, rotated)",
+           ("tests/test_audit.py::test_batch_statistics_and_dropout_pass_as_a_mean_and_are_refused_as_an_own_count",)),
+    Mutant("audit_tolerance_too_loose_to_fire", "core/audit_verdict.py",
            "RTOL = 1e-4",
            "RTOL = 1e-1",
            ("tests/test_audit.py::test_a_loss_divided_by_each_devices_own_count_is_refused_in_one_sentence[shard_map]",)),
     Mutant("audit_rows_not_rotated", "core/audit.py",
-           "start = lax.axis_index(axis) * k",
-           "start = 0 * k",  # dropout masks no longer meet the same rows both ways: a false alarm
+           "first = 0 if axis is None else lax.axis_index(axis) * m",
+           "first = 0",  # dropout masks no longer meet the same rows both ways: a false alarm
            ("tests/test_audit.py::test_batch_statistics_and_dropout_pass_as_a_mean_and_are_refused_as_an_own_count",)),
     Mutant("audit_key_per_device", "core/audit.py",
            "key = jax.random.fold_in(rng, micro_step)",
            "key = jax.random.fold_in(jax.random.fold_in(rng, micro_step), lax.axis_index(axis))",
            ("tests/test_audit.py::test_batch_statistics_and_dropout_pass_as_a_mean_and_are_refused_as_an_own_count",)),
     Mutant("audit_weighted_loss_audited", "core/audit.py",
-           "per_device.weighted = weight is not None",
-           "per_device.weighted = False",
-           ("tests/test_audit.py::test_weighted_losses_and_mask_key_are_not_audited_and_run",)),
+           "seen.weighted, seen.dtype = weight is not None, total.dtype",
+           "seen.weighted, seen.dtype = False, total.dtype",
+           ("tests/test_audit.py::test_weighted_losses_are_not_audited_and_a_mask_key_loss_is_audited_as_a_mean",)),
     # issue 39: padding, optax under sharding, split axis
     Mutant("padding_first_call_divides_by_zero", "core/algorithm.py",
            "so_far = jnp.where((calls < accum_steps) & (so_far == 0), jnp.ones_like(so_far), so_far)",
@@ -1061,6 +1061,48 @@ MUTANTS = [
            "            return x\n",
            "        except IndexError:\n            return x\n",
            ("tests/test_annotations.py::test_init_can_be_traced_for_the_states_shapes",)),
+    # The audit's parts (issue 43): devices and micro-batches, sums and fixed divisors, mask_key, dtypes,
+    # dropout, aux.
+    Mutant("audit_skipped_under_pmap", "core/audit.py",
+           "if options.backend != \"jit\" and devices > 1 and options.has_state and not options.sync_batchnorm:",
+           "if options.backend == \"pmap\":",  # an own-count loss trains silently under pmap
+           ("tests/test_audit.py::test_a_loss_divided_by_each_devices_own_count_is_refused_in_one_sentence[pmap]",)),
+    Mutant("audit_micro_batches_not_parts", "core/audit.py",
+           "return per_device, 1 if options.has_state else options.accum_steps",
+           "return per_device, 1",  # jit with accumulation: a mean of micro-batch means, silently
+           ("tests/test_audit_cases.py::test_an_own_count_loss_split_into_micro_batches_is_refused_before_step_one"
+            "[jit_accum]",)),
+    Mutant("audit_no_scale_check", "core/audit_verdict.py",
+           "return parts > 1 and np.isfinite(ratio) and abs(math.log(ratio)) > math.log(parts) / 2",
+           "return False",  # a sum is called an own count
+           ("tests/test_audit_cases.py::test_a_sum_or_a_fixed_divisor_is_refused_on_devices_and_micro_batches"
+            "[shard_map-sum]",)),
+    Mutant("audit_mask_key_loss_not_audited", "core/audit.py",
+           "return replace(options, mask_key=None) if options.mask_key not in (None, \"auto\") else options",
+           "return options",  # sum(mask·l)/sum(mask) is taken as weighted and trains silently
+           ("tests/test_audit_cases.py::test_a_mask_key_loss_divided_by_sum_of_the_mask_is_refused_and_names_what_"
+            "mask_key_expects",)),
+    Mutant("audit_tolerance_ignores_the_dtype", "core/audit_verdict.py",
+           "return RTOL if dtype.itemsize >= 4 else",
+           "return RTOL if True else",  # a bfloat16 mean is refused as an own count
+           ("tests/test_audit_cases.py::test_a_mean_returned_in_bfloat16_trains_and_equals_one_device",)),
+    Mutant("audit_aux_count_not_named", "core/audit.py",
+           "if aux[0] == \"refused\":",
+           "if False:",
+           ("tests/test_audit_cases.py::test_a_count_in_aux_is_named_once_and_trains",)),
+    Mutant("audit_dropout_taken_as_deterministic", "core/audit.py",
+           "seen.random = needs_rng and depends_on_key(",
+           "seen.random = False and depends_on_key(",  # dropout masks differ by shape: a false alarm
+           ("tests/test_audit_cases.py::test_dropout_from_the_key_passes[jit_accum]",)),
+    Mutant("audit_hints_jit_under_accumulation", "core/audit_verdict.py",
+           "if options.backend != \"jit\" and options.accum_steps == 1 and not masked:",
+           "if options.backend != \"jit\" and not masked:",  # jit would not fix a per-micro-batch count
+           ("tests/test_audit_cases.py::test_an_own_count_loss_split_into_micro_batches_is_refused_before_step_one"
+            "[one_device_accum]",)),
+    Mutant("audit_where_not_located", "core/audit.py",
+           "if n > 1 and m > 1:",
+           "if False:",  # both dimensions named where only the micro-batches fail
+           ("tests/test_audit_cases.py::test_a_loss_exact_per_device_but_normalised_per_micro_batch_is_located_there",)),
 ]
 
 

@@ -1,6 +1,7 @@
 """The first-step audit (`jdp.core.audit`): a plain loss that divides by each device's own count of
 tokens is refused before the first step under the per-device backends; a mean over rows, a weighted
-loss, a loss under mask_key, synchronised BatchNorm and dropout pass, in every layout.
+loss, a mask_key loss written as mask_key expects, synchronised BatchNorm and dropout pass, in every
+layout (tests/test_audit_cases.py: micro-batches, sums, mask_key, bfloat16, dropout, aux).
 
 The data are packed rows with 1..L real tokens each (`test_weighted.token_batches`): the counts differ
 between the rows every device is audited on, so an own-count loss is visible.
@@ -102,7 +103,7 @@ def test_batch_statistics_and_dropout_pass_as_a_mean_and_are_refused_as_an_own_c
     assert found[True].verdict == "refused"
 
 
-def test_weighted_losses_and_mask_key_are_not_audited_and_run():
+def test_weighted_losses_are_not_audited_and_a_mask_key_loss_is_audited_as_a_mean():
     step, state = make(weighted_loss)
     assert step.audit(state, BATCH).verdict == "weighted"
     step(state, BATCH)
@@ -113,7 +114,7 @@ def test_weighted_losses_and_mask_key_are_not_audited_and_run():
 
     batch = {**BATCH, "mask": (np.arange(N * B) % 3 != 0).astype(np.float32)}
     step, state = make(masked, has_aux=False, mask_key="mask")
-    assert step.audit(state, batch).verdict == "weighted"
+    assert step.audit(state, batch).verdict == "commutes"  # sum(mask · l) / b is a mean over rows
 
 
 def test_audit_false_trains_the_own_count_loss_and_step_audit_still_refuses_it():

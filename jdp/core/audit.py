@@ -1,127 +1,152 @@
-"""The first-step audit: does a plain scalar loss commute with the split over devices?
+"""The first-step audit: a loss whose value on a set of rows is not the mean of its values on equal
+parts of those rows is refused, before step 1, under every backend and layout.
 
-Under the per-device backends (shard_map, pmap) every device computes the loss over its own b rows
-and jdp averages the N results. That is one device's step only if the loss is a mean over its rows:
-a loss that divides by its own rows' count of real tokens (`sum(mask · l) / sum(mask)`) gives a mean
-of per-device means, silently wrong when the counts differ between devices.
+The step calls the loss on parts of the global batch: each device's rows under the per-device
+backends (shard_map, pmap), each micro-batch with accum_steps > 1. Averaging the parts' values is
+one device's step on the whole batch only for a loss that is a mean over its rows. A loss divided
+by its own rows' count of tokens (`sum(l·w) / sum(w)`) becomes a mean of per-part means; a sum over
+rows, or a division by a fixed count (`num_items_in_batch`), is off by the number of parts. So,
+with P = (N if the backend is per-device else 1) × accum_steps parts (P = 1: the loss sees the
+whole batch, which is one device's step whatever it is; nothing to check):
 
-The audit asks the loss itself, on k rows of every device's shard (`AUDIT_ROWS`), in the step's own
-layout (under FSDP the params gathered as the step gathers them), as one compiled forward pass:
+- rows: k (`AUDIT_ROWS`) rows from each of the P parts the step makes, k·M from each device's
+  share (micro-batch m: rows from the m-th M-th of it, so that real count differences show), in the
+  step's own layout (FSDP: params gathered as the step gathers them; jit: global arrays);
+- a deterministic loss (needs_rng=False, or its traced value does not depend on the key: a forward
+  dependence walk over its jaxpr, conservative where a sub-program takes the key): L(W) on the
+  whole W = the P·k rows, against mean_j L(part_j); with devices and micro-batches both split,
+  also the devices' k·M rows, which says where the loss fails;
+- a random loss (dropout): differently shaped calls draw different masks, so the own-count
+  comparison is on P·k rows with one key, where each row meets the same masks both ways: the mean
+  over the P rotations of W against each part repeated P times; and a scale check dropout cannot
+  fake (L(W) against mean_j L(part_j): a sum or fixed divisor gives ≈ P);
+- model state (BatchNorm): a device evaluates its part with the axis bound, so synchronised
+  statistics are the union's, as in the step; micro-batches legitimately have statistics of their
+  own, so with model state only the device dimension is audited;
+- tolerance: that of the dtype the loss returns (`jdp.core.audit_verdict.tolerance`).
 
-- gathered: the loss of all N·k rows as one call, as one device would see them;
-- own: the mean over the devices of each device's loss on its own k rows.
+Every evaluation of one shape is one traced loss (vmapped), compiled once, on the first call only.
+Aux leaves (plain scalars) are judged the same way and named once on stderr when they are not means
+over their rows (jdp averages aux; a count comes out divided); they are never refused.
 
-A mean over rows gives the same number both ways; a loss normalised by each device's own count does
-not, when the audited rows' counts differ. To keep dropout out of the comparison, both are taken on
-N·k rows with one key (the same positions get the same masks): `gathered` is the mean over the N
-rotations of the gathered rows (device d evaluates them starting at its own block), `own` is each
-device's k rows repeated N times (a mean over rows does not change; nor does a per-row-count
-normalisation). The loss's new model state (BatchNorm statistics) is dropped; synchronised
-statistics are those of the N·k rows both ways.
-
-What it cannot see: a loss that divides by its own count on rows whose counts happen to be equal;
-an own-count loss whose per-device means happen to agree to within `RTOL`; a normalisation over
-micro-batches (accum_steps > 1 on one device); a loss whose randomness depends on the device
-(a key folded with `lax.axis_index` inside it). It is not run for `jdp.Weighted` losses or under
-`mask_key` (they carry their weight and are exact), under backend="jit" (the loss sees the whole
-batch, so its own count is the global one), on one device, or with per-device BatchNorm
-statistics (`sync_batchnorm=False`, which is not one device's step anyway).
+What it cannot see: own counts that happen to be equal on the audited rows (or means that agree to
+within the tolerance; bfloat16 returns hide differences below a few of its eps); micro-batch
+normalisations of a loss with model state; `jdp.Weighted` losses (exact by construction, not
+audited); randomness the loss derives from the device (a key folded with `lax.axis_index`).
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from dataclasses import replace
+from functools import partial
 
 import jax
+import jax.extend as jex
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from jdp.core.annotations import say_once
+from jdp.core.audit_verdict import Audit, AuditError, aux_note, judge, tolerance
 from jdp.core.mesh import data_axes
 
-AUDIT_ROWS = 2  # k: rows of every device's shard the audit evaluates (fewer if a device has fewer)
-# |gathered - own| above this fraction of the larger refuses the loss. Both are float32 sums of the
-# same N·k per-row values in two orders (measured here: at most ~1e-7 of the loss, BatchNorm and
-# bfloat16 models included); an own-count loss on packed rows differs by 1e-3 and more.
-RTOL = 1e-4
-ATOL = 1e-6  # a loss of ~0 differs by rounding that no fraction of it bounds
+__all__ = ["AUDIT_ROWS", "Audit", "AuditError", "audit_loss", "audited_options"]
+
+AUDIT_ROWS = 2  # k: rows of every part the audit evaluates (fewer if a part has fewer)
 
 
-class Audit(NamedTuple):
-    """What the audit found: `gathered` (the loss of the N·k audited rows as one call), `own` (the mean
-    over devices of each device's loss on its own k rows), `rows` (k), and the verdict: "commutes",
-    "refused", or why nothing was compared: "weighted" (`jdp.Weighted`, or a loss under `mask_key`),
-    "global view" (backend="jit": the loss sees the whole batch), "one device", "per-device statistics" (`sync_batchnorm=False`), "not finite" (both NaN/Inf), "loss
-    failed" (the first call's audit could not run the loss on its rows: the step then raises its own error)."""
-
-    gathered: float
-    own: float
-    rows: int
-    verdict: str
+def audited_options(options):
+    """The options the audit calls the loss with: under mask_key the loss's own value, `sum(mask·l)/b`
+    (a mean over rows), not jdp's weighted form of it."""
+    return replace(options, mask_key=None) if options.mask_key not in (None, "auto") else options
 
 
-class AuditError(ValueError):
-    """The audit's refusal of a loss that does not commute with the split; `audit` holds what it found."""
-
-    def __init__(self, found: Audit, devices: int, backend: str):
-        super().__init__(refusal(found, devices, backend))
-        self.audit = found
-
-
-def refusal(found: Audit, devices: int, backend: str) -> str:
-    """The one sentence that refuses a loss which does not commute with the split."""
-    return (f"loss_fn is not a mean over its rows: on {devices * found.rows} rows, {found.rows} from each of the "
-            f"{devices} devices, its value as one call is {found.gathered:.7g} but the mean of the devices' values on "
-            f"their own rows is {found.own:.7g}, as when it divides by each device's own count of tokens, so under "
-            f"backend={backend!r} the step would follow a mean of per-device means, not one device's step: return "
-            f"jdp.Weighted(sum of the losses, their count) (jdp divides by the global count once) or use "
-            f"backend='jit' (the loss sees the whole batch), or pass audit=False to train it as it is.")
+def split_of(options, devices: int) -> tuple[int, int]:
+    """(devices, micro-batches) the step calls the loss on: P is their product."""
+    per_device = 1 if options.backend == "jit" else devices
+    return per_device, 1 if options.has_state else options.accum_steps
 
 
 def skip_reason(options, devices: int) -> str | None:
-    """Why the audit has nothing to check for these options, or None."""
-    if options.backend == "jit":  # the loss sees the whole batch: its own count is the global count
-        return "global view"
-    if devices == 1:
-        return "one device"
-    if options.has_state and not options.sync_batchnorm:
+    """Why the audit has nothing to check for these options (P = 1), or None."""
+    if options.backend != "jit" and devices > 1 and options.has_state and not options.sync_batchnorm:
         return "per-device statistics"
-    return None
+    n, m = split_of(options, devices)
+    if n * m > 1:
+        return None
+    if options.backend == "jit" and options.accum_steps == 1:
+        return "global view"
+    return "micro-batch statistics" if options.accum_steps > 1 else "one device"
 
 
-def verdict(gathered: float, own: float) -> str:
-    """"commutes" when the two agree within RTOL (or neither is finite: nothing to compare), else "refused"."""
-    finite = np.isfinite([gathered, own])
-    if not finite.any():
-        return "not finite"
-    if not finite.all():  # a count of 0 on a device's own rows and not on all of them
-        return "refused"
-    return "commutes" if abs(gathered - own) <= RTOL * max(abs(gathered), abs(own)) + ATOL else "refused"
+def part_rows(rows: int, micro: int, k: int) -> np.ndarray:
+    """Indices of `micro` parts of k rows each among `rows`: part m from the m-th micro-th of them."""
+    stride = max(1, rows // micro)
+    return np.array([(m * stride + i) % rows for m in range(micro) for i in range(k)])
 
 
-def _evaluations(loss, view, n: int, k: int, axis):
-    """The per-device function: (gathered, own) as means over the devices, equal on every device."""
+def depends_on_key(fn, key) -> bool:
+    """Whether fn(key)'s value depends on `key`: a forward walk over its jaxpr (an equation that takes a
+    key-dependent value makes all its outputs key-dependent: conservative for sub-programs)."""
+    closed = jax.make_jaxpr(fn)(key)
+    tainted = set(closed.jaxpr.invars)
+    for eqn in closed.jaxpr.eqns:
+        if any(isinstance(v, jex.core.Var) and v in tainted for v in eqn.invars):
+            tainted.update(eqn.outvars)
+    return any(isinstance(v, jex.core.Var) and v in tainted for v in closed.jaxpr.outvars)
 
-    def per_device(params, model_state, batch, rng, micro_step):
-        own = jax.tree.map(lambda x: x[:k], batch)
-        every = jax.tree.map(lambda x: lax.all_gather(x, axis, tiled=True), own)  # (N·k, ...), the same everywhere
-        start = lax.axis_index(axis) * k
-        rotated = jax.tree.map(lambda x: lax.dynamic_slice_in_dim(jnp.concatenate([x, x]), start, n * k), every)
-        repeated = jax.tree.map(lambda x: jnp.concatenate([x] * n), own)
-        key = jax.random.fold_in(rng, micro_step)  # one key on every device and for both calls
-        whole = view(params)
 
-        def value(rows):
-            total, (_, _, weight) = loss(whole, model_state, rows, key)
-            per_device.weighted = weight is not None
-            return total.astype(jnp.float32)
+class Trace:
+    """What tracing the loss showed: weighted, its dtype, its aux paths, whether it is random."""
+    weighted = None
+    dtype = jnp.float32
+    aux = ()
+    random = False
 
-        # One traced loss for both (vmapped over the pair): half the program of two calls to compile.
-        pair = jax.vmap(value)(jax.tree.map(lambda x, y: jnp.stack([x, y]), rotated, repeated))
-        return lax.pmean(pair[0], axis), lax.pmean(pair[1], axis)
 
-    per_device.weighted = None
-    return per_device
+def evaluations(loss, view, split, k: int, axis, needs_rng: bool, seen: Trace):
+    """The audit's function (per device, or on global arrays when `axis` is None): a dict of the
+    evaluated values, each a float32 vector (the loss, then the plain aux leaves), the same everywhere."""
+    n, m = split
+
+    def run(params, model_state, batch, rng, micro_step):
+        rows = jax.tree.leaves(batch)[0].shape[0]
+        own = jax.tree.map(lambda x: x[part_rows(rows, m, k)], batch)  # this device's m parts, (m·k, ...)
+        whole = own if axis is None else jax.tree.map(lambda x: lax.all_gather(x, axis, tiled=True), own)
+        parts = jax.tree.map(lambda x: x.reshape(m, k, *x.shape[1:]), own)
+        key = jax.random.fold_in(rng, micro_step)  # one key on every device and for every call
+        p = view(params)
+
+        def value(rows_, key_):
+            total, (aux, _, weight) = loss(p, model_state, rows_, key_)
+            seen.weighted, seen.dtype = weight is not None, total.dtype
+            paths, leaves = zip(*jax.tree_util.tree_leaves_with_path(aux)) if jax.tree.leaves(aux) else ((), ())
+            seen.aux = tuple(jax.tree_util.keystr(q) for q in paths)
+            return jnp.stack([jnp.asarray(v, jnp.float32).reshape(()) for v in (total, *leaves)])
+
+        first = jax.tree.map(lambda x: x[0], parts)
+        seen.random = needs_rng and depends_on_key(lambda key_: value(first, key_), key)
+        many = jax.vmap(value, in_axes=(0, None))  # one traced loss per shape
+        out = {"whole": value(whole, key), "parts": many(parts, key).mean(0)}
+        if n > 1 and m > 1:
+            out["devices"] = value(own, key)
+        if seen.random:
+            out.update(_same_shape(many, whole, parts, key, n * m, k, m, axis))
+        return out if axis is None else jax.tree.map(lambda x: lax.pmean(x, axis), out)
+
+    return run
+
+
+def _same_shape(many, whole, parts, key, p: int, k: int, m: int, axis):
+    """With dropout: the P rotations of W (this device's m of them) and each of its parts repeated P
+    times, all on P·k rows with one key: each row meets the same masks both ways."""
+    first = 0 if axis is None else lax.axis_index(axis) * m
+    doubled = jax.tree.map(lambda x: jnp.concatenate([x, x]), whole)
+    rotated = jax.tree.map(lambda x: jnp.stack([lax.dynamic_slice_in_dim(x, (first + j) * k, p * k)
+                                                for j in range(m)]), doubled)
+    repeated = jax.tree.map(lambda x: jnp.concatenate([x] * p, axis=1), parts)
+    both = many(jax.tree.map(lambda a, b: jnp.concatenate([a, b]), rotated, repeated), key)
+    return {"rotated": both[:m].mean(0), "repeated": both[m:].mean(0)}
 
 
 def params_view(layout):
@@ -137,40 +162,53 @@ def params_view(layout):
 
 
 def audit_loss(layout, mesh, loss, options, state, placed, first_call: bool = False) -> Audit:
-    """Run the audit on the placed batch `placed` with the step's `state` (in its layout).
+    """Run the audit on the placed (micro-)batch `placed` with the step's `state` (in its layout).
 
     `loss(params, model_state, batch, key) -> (total, (aux, model_state, weight))`: the step's loss as
-    declared (float32). Returns the `Audit`; a weighted loss is only traced (nothing compiled). On the
-    first call (`first_call`), a loss that fails on the audit's rows is left to fail in the step
-    itself, with the step's own message for its own shapes (verdict "loss failed").
+    declared, called with `audited_options`. Returns the `Audit`; a weighted loss is only traced
+    (nothing compiled). On the first call (`first_call`), a loss that fails on the audit's rows is
+    left to fail in the step itself, with the step's own message for its own shapes ("loss failed").
     """
-    n = layout.num_devices
-    reason = skip_reason(options, n)
+    reason = skip_reason(options, layout.num_devices)
     if reason is not None:
         return Audit(float("nan"), float("nan"), 0, reason)
-    b = jax.tree.leaves(layout.device_batch(placed))[0].shape[0]
-    k = min(AUDIT_ROWS, b)
-    axis = layout.axis
-    per_device = _evaluations(loss, params_view(layout), n, k, axis)
+    split = split_of(options, layout.num_devices)
+    global_view = getattr(layout, "global_view", False)
+    rows = jax.tree.leaves(placed)[0].shape[0] if global_view else \
+        jax.tree.leaves(layout.device_batch(placed))[0].shape[0]
+    k = max(1, min(AUDIT_ROWS, rows // split[1]))
+    seen = Trace()
+    run = evaluations(loss, params_view(layout), split, k, None if global_view else layout.axis, options.needs_rng,
+                      seen)
     args = (state.params, state.model_state, placed, state.rng, state.micro_step)
     try:
-        lowered = _lowered(per_device, layout, mesh, axis, state, args)
+        lowered = _lowered(run, layout, mesh, state, args, global_view)
     except Exception:
         if not first_call:
             raise
         return Audit(float("nan"), float("nan"), k, "loss failed")
-    if per_device.weighted:  # seen while lowering: nothing is compiled for a loss that carries its weight
+    if seen.weighted:  # seen while lowering: nothing is compiled for a loss that carries its weight
         return Audit(float("nan"), float("nan"), k, "weighted")
     out = jax.device_get(lowered.compile()(*args))
-    gathered, own = (float(np.asarray(x).reshape(-1)[0]) for x in out)
-    return Audit(gathered, own, k, verdict(gathered, own))
+    values = {name: np.asarray(v).reshape(-1, np.shape(v)[-1])[0] for name, v in out.items()}
+    parts = split[0] * split[1]
+    judged = partial(judge, values, parts, tolerance(seen.dtype), split, seen.random)
+    verdict, kind, where, gathered, own, ratio = judged()
+    for i, name in enumerate(seen.aux, start=1):  # aux is a report: named once, never refused
+        aux = judged(i)
+        if aux[0] == "refused":
+            say_once(aux_note(name, float(values["whole"][i]), float(values["parts"][i]), parts))
+    return Audit(gathered, own, k, verdict, parts, kind, where, ratio)
 
 
-def _lowered(per_device, layout, mesh, axis, state, args):
-    """The audit's program, lowered (which traces the loss) in the layout: pmap, or shard_map under jit."""
+def _lowered(run, layout, mesh, state, args, global_view: bool):
+    """The audit's program, lowered (which traces the loss): jit on global arrays, pmap, or shard_map."""
+    if global_view:
+        return jax.jit(run).lower(*args)
+    axis = layout.axis
     if state.stacked:
-        return jax.pmap(per_device, axis_name=axis, devices=list(mesh.devices.flat)).lower(*args)
+        return jax.pmap(run, axis_name=axis, devices=list(mesh.devices.flat)).lower(*args)
     specs = layout._specs
-    mapped = jax.shard_map(per_device, mesh=mesh, in_specs=(specs.params, specs.model_state, P(data_axes(mesh)),
-                                                             P(), P()), out_specs=P(), check_vma=False)
+    mapped = jax.shard_map(run, mesh=mesh, in_specs=(specs.params, specs.model_state, P(data_axes(mesh)), P(), P()),
+                           out_specs=P(), check_vma=False)
     return jax.jit(mapped).lower(*args)

@@ -17,17 +17,19 @@ class FirstCall:
     """What the step settles on its first call, once aux's and the model state's structures are known:
     the accumulator's aux sums sized, and the model state the loss hands back checked."""
 
-    def __init__(self, layout, mesh, declared_loss: Callable, loss: Callable, options: StepOptions):
+    def __init__(self, layout, mesh, declared_loss: Callable, loss: Callable, options: StepOptions,
+                 audited_loss: Callable | None = None):
         self.layout, self.mesh, self._declared_loss, self._loss, self.options = (layout, mesh, declared_loss, loss,
                                                                                   options)
+        self._audited_loss = declared_loss if audited_loss is None else audited_loss  # the loss's own value
         self.model_state_checked = not options.has_state
         self.audited = not options.audit
 
     def audit(self, state: TrainState, placed, first_call: bool = False) -> Audit:
         """The audit of the loss on this batch (`jdp.core.audit.audit_loss`); AuditError if refused."""
-        found = audit_loss(self.layout, self.mesh, self._declared_loss, self.options, state, placed, first_call)
+        found = audit_loss(self.layout, self.mesh, self._audited_loss, self.options, state, placed, first_call)
         if found.verdict == "refused":
-            raise AuditError(found, self.layout.num_devices, self.options.backend)
+            raise AuditError(found, self.layout.num_devices, self.options)
         self.audited = True
         return found
 

@@ -83,7 +83,7 @@ import optax
 from jdp.core.algorithm import Step, device_step
 from jdp.core.annotations import describe, has_annotations, host_if_elsewhere, own_mesh, say_once
 from jdp.core.first_call import FirstCall
-from jdp.core.audit import Audit, AuditError
+from jdp.core.audit import Audit, AuditError, audited_options
 from jdp.core.fsdp import FullyShardedLayout, host_whole
 from jdp.core.global_view import JitLayout
 from jdp.core.layouts import LAYOUTS, UNSIZED
@@ -135,7 +135,8 @@ class TrainStep:
                      f"backend={o.backend!r}, which keeps whole params on every device; backend='jit' honours them.")
         declared = partial(call_loss, loss_fn, o)  # as loss_fn declares it, before any cast
         self._loss = in_precision(declared, o.precision, o.mask_key)
-        self._first = FirstCall(self.layout, self.mesh, declared, self._loss, o)
+        self._first = FirstCall(self.layout, self.mesh, declared, self._loss, o,
+                                partial(call_loss, loss_fn, audited_options(o)))
         algorithm = Step(self._loss, self.layout.step_optimizer(self.optimizer), o, self.layout)
         self._step = self.layout.compile(partial(self._traced, algorithm))
         self._init = None  # built by init, once the layout knows the params' shapes
@@ -231,7 +232,8 @@ class TrainStep:
         """The `Audit` of a plain loss on this (micro-)batch (`jdp.core.audit`), as the first call runs it
         unless audit=False; `AuditError` (a ValueError) for a loss divided by each device's own count."""
         self._check_state(state)
-        return self._first.audit(state, self.shard_batch(batch))
+        with own_mesh(self.mesh):
+            return self._first.audit(state, self.shard_batch(batch))
 
     def canonical(self, state: TrainState) -> TrainState:
         """One device-count-independent copy of `state` (pmap's stacking undone, accumulator dropped).
