@@ -199,6 +199,16 @@ def test_the_loss_as_written_is_refused_by_the_audit_under_shard_map():
     assert abs(found.gathered - found.own) > 1e-3 * abs(found.gathered)
 
 
+def test_the_loss_as_written_is_refused_under_jit_with_accumulation():
+    """Under jit the loss sees each call's whole micro-batch: divided by that micro-batch's own count of
+    real tokens, accum_steps=2 would follow a mean of per-micro-batch means."""
+    mesh = jax.make_mesh((N, 1), ("fsdp", "tensor"), devices=jax.devices()[:N])
+    shd = ShardingConfig.fsdp_tp_sharding(fsdp_axis_name="fsdp", tensor_parallel_axis_name="tensor")
+    with pytest.raises(AuditError, match=r"divides by each micro-batch's own count.*jdp\.Weighted") as e:
+        train_with_jdp(global_batches(2), shd, mesh, backend="jit", accum_steps=2)
+    assert "backend='jit'" not in str(e.value) and e.value.audit.where == "micro-batches"
+
+
 def test_the_weighted_loss_under_shard_map_equals_the_examples_step_on_one_device():
     """The example's loss as a sum over real tokens with their count: exact per device too."""
     params, metrics, _ = train_with_jdp(global_batches(1), ShardingConfig.no_sharding(), weighted=True)

@@ -128,7 +128,7 @@ def evaluations(loss, view, split, k: int, axis, needs_rng: bool, seen: Trace):
         seen.random = needs_rng and depends_on_key(lambda key_: value(first, key_), key)
         many = jax.vmap(value, in_axes=(0, None))  # one traced loss per shape
         out = {"whole": value(whole, key), "parts": many(parts, key).mean(0)}
-        if n > 1 and m > 1:
+        if n > 1 and m > 1 and not seen.random:  # where it fails (dropout would blur a third shape)
             out["devices"] = value(own, key)
         if seen.random:
             out.update(_same_shape(many, whole, parts, key, n * m, k, m, axis))

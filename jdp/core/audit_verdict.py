@@ -126,7 +126,7 @@ def refusal(found: Audit, devices: int, options) -> str:
     else:
         cause = (f"a mask_key loss normalised by sum(mask) on each {own}'s rows (under mask_key jdp expects "
                  f"sum(mask·l)/b and divides by the real count itself)" if masked else
-                 f"a loss divided by each {own}'s own count of tokens")
+                 f"a loss that divides by each {own}'s own count of tokens")
         what = (f"{rows}, its value as one call is {found.gathered:.7g} but the mean of its values on the parts is "
                 f"{found.own:.7g}, as for {cause}, so the step would follow a mean of per-{own} means")
     fixes = ("return sum(mask·l)/b, or jdp.Weighted(sum(mask·l), sum(mask)) (jdp divides by the global count once)"

@@ -230,7 +230,7 @@ class TrainStep:
 
     def audit(self, state: TrainState, batch) -> Audit:
         """The `Audit` of a plain loss on this (micro-)batch (`jdp.core.audit`), as the first call runs it
-        unless audit=False; `AuditError` (a ValueError) for a loss divided by each device's own count."""
+        unless audit=False; `AuditError` (a ValueError) for a loss that is not a mean over its rows."""
         self._check_state(state)
         with own_mesh(self.mesh):
             return self._first.audit(state, self.shard_batch(batch))
@@ -361,8 +361,9 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation |
         `jdp.nnx` and `jdp.linen` read them from the model. Honoured under backend="jit", set
         aside (said once) under "shard_map" and "pmap".
       audit: True (default): the first call checks that a plain scalar loss is a mean over its rows,
-        on a few rows of every device (`jdp.core.audit`), and refuses one that divides by each
-        device's own count of tokens (a mean of per-device means); False skips the check.
+        on a few rows of every part the step calls it on (each device's under shard_map and pmap,
+        each micro-batch's with accum_steps > 1; `jdp.core.audit`), and refuses one that is not (a
+        division by each part's own count of tokens, a sum, a fixed divisor); False skips the check.
       mesh: backend="jit" only: run the step on this `jax.sharding.Mesh` (its own axis names and
         types, e.g. the Explicit ("fsdp", "tensor") mesh a model was made under) instead of jdp's
         1-D mesh over `devices`: the batch is split over `axis_name` if the mesh has it, else over
