@@ -233,6 +233,7 @@ QUICK = (
     "test_audit_cases.py::test_dropout_from_the_key_passes[jit_accum]",
     "test_audit_cases.py::test_an_own_count_loss_split_into_micro_batches_is_refused_before_step_one[one_device_accum]",
     "test_audit_cases.py::test_a_loss_exact_per_device_but_normalised_per_micro_batch_is_located_there",
+    "test_audit_cases.py::test_synchronised_statistics_with_accumulation_audit_the_devices_only",
     # backend="jit" on the caller's mesh (mesh=): a model written for an Explicit mesh of its own axis
     # names, its annotations kept; an Auto mesh with FSDP; the meshes jdp refuses.
     "test_annotations.py::test_a_model_for_an_explicit_mesh_of_its_own_axis_names_runs_on_it_under_jit[jit-fsdp]",

@@ -1068,7 +1068,7 @@ MUTANTS = [
            "if options.backend == \"pmap\":",  # an own-count loss trains silently under pmap
            ("tests/test_audit.py::test_a_loss_divided_by_each_devices_own_count_is_refused_in_one_sentence[pmap]",)),
     Mutant("audit_micro_batches_not_parts", "core/audit.py",
-           "return per_device, 1 if options.has_state else options.accum_steps",
+           "return per_device, options.accum_steps",
            "return per_device, 1",  # jit with accumulation: a mean of micro-batch means, silently
            ("tests/test_audit_cases.py::test_an_own_count_loss_split_into_micro_batches_is_refused_before_step_one"
             "[jit_accum]",)),
@@ -1091,14 +1091,18 @@ MUTANTS = [
            "if False:",
            ("tests/test_audit_cases.py::test_a_count_in_aux_is_named_once_and_trains",)),
     Mutant("audit_dropout_taken_as_deterministic", "core/audit.py",
-           "seen.random = needs_rng and depends_on_key(",
-           "seen.random = False and depends_on_key(",  # dropout masks differ by shape: a false alarm
+           "seen.random = needs_rng and depends_on(",
+           "seen.random = False and depends_on(",  # dropout masks differ by shape: a false alarm
            ("tests/test_audit_cases.py::test_dropout_from_the_key_passes[jit_accum]",)),
     Mutant("audit_hints_jit_under_accumulation", "core/audit_verdict.py",
            "if options.backend != \"jit\" and options.accum_steps == 1 and not masked:",
            "if options.backend != \"jit\" and not masked:",  # jit would not fix a per-micro-batch count
            ("tests/test_audit_cases.py::test_an_own_count_loss_split_into_micro_batches_is_refused_before_step_one"
             "[one_device_accum]",)),
+    Mutant("audit_micro_batches_with_batch_statistics", "core/audit.py",
+           "            m = 1\n",
+           "            m = m\n",  # each micro-batch's own statistics: a false alarm
+           ("tests/test_audit_cases.py::test_synchronised_statistics_with_accumulation_audit_the_devices_only",)),
     Mutant("audit_where_not_located", "core/audit.py",
            "if n > 1 and m > 1 and not seen.random:",
            "if False:",  # both dimensions named where only the micro-batches fail

@@ -223,3 +223,17 @@ def test_a_loss_exact_per_device_but_normalised_per_micro_batch_is_located_there
     assert "per-micro-batch means" in str(e.value) and "(4 devices × 2 micro-batches)" in str(e.value)
     assert step_for(call_count, {})[0].audit(step_for(call_count, {})[1], WHOLE).verdict == "commutes"
     assert off_by(call_count, options, reference=own_count) > 1e-3
+
+
+def test_synchronised_statistics_with_accumulation_audit_the_devices_only():
+    """Micro-batches have their own batch statistics in the step too: with a model state that depends
+    on the rows only the devices are audited; on one device nothing is left to compare."""
+    from test_audit import stateful
+
+    state0 = {"mean": jnp.zeros(8, jnp.float32)}
+    for devices, verdict in ((N, "commutes"), (1, "micro-batch statistics")):
+        step = jdp.make_train_step(stateful(False), optax.sgd(LR), devices=jax.devices()[:devices], has_state=True,
+                                   needs_rng=True, accum_steps=M)
+        found = step.audit(step.init(token_params(), state0), CALLS[0])
+        assert found.verdict == verdict, found
+    assert found.verdict == "micro-batch statistics"

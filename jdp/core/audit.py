@@ -22,7 +22,8 @@ whole batch, which is one device's step whatever it is; nothing to check):
   fake (L(W) against mean_j L(part_j): a sum or fixed divisor gives ≈ P);
 - model state (BatchNorm): a device evaluates its part with the axis bound, so synchronised
   statistics are the union's, as in the step; micro-batches legitimately have statistics of their
-  own, so with model state only the device dimension is audited;
+  own, so where the new model state depends on the rows (the same jaxpr walk; an NNX model's state
+  of RNG counts does not) only the device dimension is audited;
 - tolerance: that of the dtype the loss returns (`jdp.core.audit_verdict.tolerance`).
 
 Every evaluation of one shape is one traced loss (vmapped), compiled once, on the first call only.
@@ -31,7 +32,7 @@ over their rows (jdp averages aux; a count comes out divided); they are never re
 
 What it cannot see: own counts that happen to be equal on the audited rows (or means that agree to
 within the tolerance; bfloat16 returns hide differences below a few of its eps); micro-batch
-normalisations of a loss with model state; `jdp.Weighted` losses (exact by construction, not
+normalisations of a loss whose model state holds batch statistics; `jdp.Weighted` losses (exact by construction, not
 audited); randomness the loss derives from the device (a key folded with `lax.axis_index`).
 """
 from __future__ import annotations
@@ -62,9 +63,10 @@ def audited_options(options):
 
 
 def split_of(options, devices: int) -> tuple[int, int]:
-    """(devices, micro-batches) the step calls the loss on: P is their product."""
+    """(devices, micro-batches) the step calls the loss on: P is their product (micro-batches with batch
+    statistics in the model state are set aside when the loss is traced: `batch_statistics`)."""
     per_device = 1 if options.backend == "jit" else devices
-    return per_device, 1 if options.has_state else options.accum_steps
+    return per_device, options.accum_steps
 
 
 def skip_reason(options, devices: int) -> str | None:
@@ -74,9 +76,7 @@ def skip_reason(options, devices: int) -> str | None:
     n, m = split_of(options, devices)
     if n * m > 1:
         return None
-    if options.backend == "jit" and options.accum_steps == 1:
-        return "global view"
-    return "micro-batch statistics" if options.accum_steps > 1 else "one device"
+    return "global view" if options.backend == "jit" else "one device"
 
 
 def part_rows(rows: int, micro: int, k: int) -> np.ndarray:
@@ -85,10 +85,10 @@ def part_rows(rows: int, micro: int, k: int) -> np.ndarray:
     return np.array([(m * stride + i) % rows for m in range(micro) for i in range(k)])
 
 
-def depends_on_key(fn, key) -> bool:
-    """Whether fn(key)'s value depends on `key`: a forward walk over its jaxpr (an equation that takes a
-    key-dependent value makes all its outputs key-dependent: conservative for sub-programs)."""
-    closed = jax.make_jaxpr(fn)(key)
+def depends_on(fn, arg) -> bool:
+    """Whether any output of fn(arg) depends on `arg`: a forward walk over its jaxpr (an equation that takes
+    a dependent value makes all its outputs dependent: conservative for sub-programs)."""
+    closed = jax.make_jaxpr(fn)(arg)
     tainted = set(closed.jaxpr.invars)
     for eqn in closed.jaxpr.eqns:
         if any(isinstance(v, jex.core.Var) and v in tainted for v in eqn.invars):
@@ -97,25 +97,39 @@ def depends_on_key(fn, key) -> bool:
 
 
 class Trace:
-    """What tracing the loss showed: weighted, its dtype, its aux paths, whether it is random."""
+    """What tracing the loss showed: weighted, its dtype, its aux paths, whether it is random, and the
+    (devices, micro-batches) split audited."""
+    split = (1, 1)
     weighted = None
     dtype = jnp.float32
     aux = ()
     random = False
 
 
-def evaluations(loss, view, split, k: int, axis, needs_rng: bool, seen: Trace):
+def batch_statistics(loss, params, model_state, rows, key) -> bool:
+    """Whether the new model state the loss returns depends on its rows (BatchNorm's statistics): then
+    each micro-batch legitimately has its own, and only the devices are audited."""
+    if not jax.tree.leaves(model_state):
+        return False
+    return depends_on(lambda r: jax.tree.leaves(loss(params, model_state, r, key)[1][1]), rows)
+
+
+def evaluations(loss, view, split, k: int, axis, needs_rng: bool, seen: Trace, explicit: bool = False):
     """The audit's function (per device, or on global arrays when `axis` is None): a dict of the
     evaluated values, each a float32 vector (the loss, then the plain aux leaves), the same everywhere."""
-    n, m = split
-
     def run(params, model_state, batch, rng, micro_step):
+        if explicit:  # a sharding is part of the type there: rows are taken from a whole copy
+            batch = jax.tree.map(lambda x: jax.sharding.reshard(x, P()), batch)
+        key = jax.random.fold_in(rng, micro_step)  # one key on every device and for every call
+        p = view(params)
         rows = jax.tree.leaves(batch)[0].shape[0]
+        n, m = split
+        if m > 1 and batch_statistics(loss, p, model_state, jax.tree.map(lambda x: x[:k], batch), key):
+            m = 1
+        seen.split = (n, m)
         own = jax.tree.map(lambda x: x[part_rows(rows, m, k)], batch)  # this device's m parts, (m·k, ...)
         whole = own if axis is None else jax.tree.map(lambda x: lax.all_gather(x, axis, tiled=True), own)
         parts = jax.tree.map(lambda x: x.reshape(m, k, *x.shape[1:]), own)
-        key = jax.random.fold_in(rng, micro_step)  # one key on every device and for every call
-        p = view(params)
 
         def value(rows_, key_):
             total, (aux, _, weight) = loss(p, model_state, rows_, key_)
@@ -125,7 +139,7 @@ def evaluations(loss, view, split, k: int, axis, needs_rng: bool, seen: Trace):
             return jnp.stack([jnp.asarray(v, jnp.float32).reshape(()) for v in (total, *leaves)])
 
         first = jax.tree.map(lambda x: x[0], parts)
-        seen.random = needs_rng and depends_on_key(lambda key_: value(first, key_), key)
+        seen.random = needs_rng and depends_on(lambda key_: value(first, key_), key)
         many = jax.vmap(value, in_axes=(0, None))  # one traced loss per shape
         out = {"whole": value(whole, key), "parts": many(parts, key).mean(0)}
         if n > 1 and m > 1 and not seen.random:  # where it fails (dropout would blur a third shape)
@@ -177,9 +191,12 @@ def audit_loss(layout, mesh, loss, options, state, placed, first_call: bool = Fa
     rows = jax.tree.leaves(placed)[0].shape[0] if global_view else \
         jax.tree.leaves(layout.device_batch(placed))[0].shape[0]
     k = max(1, min(AUDIT_ROWS, rows // split[1]))
+    explicit = global_view and layout.explicit
+    if explicit and split[1] * layout.group <= rows:  # parts the model's own batch sharding divides
+        k = layout.group
     seen = Trace()
     run = evaluations(loss, params_view(layout), split, k, None if global_view else layout.axis, options.needs_rng,
-                      seen)
+                      seen, explicit)
     args = (state.params, state.model_state, placed, state.rng, state.micro_step)
     try:
         lowered = _lowered(run, layout, mesh, state, args, global_view)
@@ -189,6 +206,9 @@ def audit_loss(layout, mesh, loss, options, state, placed, first_call: bool = Fa
         return Audit(float("nan"), float("nan"), k, "loss failed")
     if seen.weighted:  # seen while lowering: nothing is compiled for a loss that carries its weight
         return Audit(float("nan"), float("nan"), k, "weighted")
+    split = seen.split
+    if split[0] * split[1] == 1:  # one device, its micro-batches each with their own batch statistics
+        return Audit(float("nan"), float("nan"), k, "micro-batch statistics")
     out = jax.device_get(lowered.compile()(*args))
     values = {name: np.asarray(v).reshape(-1, np.shape(v)[-1])[0] for name, v in out.items()}
     parts = split[0] * split[1]
@@ -198,7 +218,7 @@ def audit_loss(layout, mesh, loss, options, state, placed, first_call: bool = Fa
         aux = judged(i)
         if aux[0] == "refused":
             say_once(aux_note(name, float(values["whole"][i]), float(values["parts"][i]), parts))
-    return Audit(gathered, own, k, verdict, parts, kind, where, ratio)
+    return Audit(gathered, own, k, verdict, parts, kind, where, ratio, split[1])
 
 
 def _lowered(run, layout, mesh, state, args, global_view: bool):

@@ -32,7 +32,8 @@ class Audit(NamedTuple):
     finite" (both NaN/Inf), "loss failed" (the first call's audit could not run the loss on its rows:
     the step then raises its own error). `parts`: P; `kind`: "sum or fixed divisor" or "own count"
     (refused) else ""; `where`: "devices", "micro-batches" or both (where the parts differ); `ratio`:
-    gathered / (mean of the parts' values), the scale check's number."""
+    gathered / (mean of the parts' values), the scale check's number; `micro`: the micro-batches among
+    the P parts (1 where they are not audited: batch statistics in the model state)."""
 
     gathered: float
     own: float
@@ -42,6 +43,7 @@ class Audit(NamedTuple):
     kind: str = ""
     where: str = ""
     ratio: float = float("nan")
+    micro: int = 1
 
 
 class AuditError(ValueError):
@@ -115,7 +117,7 @@ def _parts(found: Audit, split: tuple[int, int]) -> str:
 def refusal(found: Audit, devices: int, options) -> str:
     """The one sentence that refuses a loss which is not a mean over its rows: what was found, the two
     numbers, where, and the fixes (backend='jit' only where it would fix it)."""
-    split = (found.parts // max(1, micro_parts(options, found.parts)), micro_parts(options, found.parts))
+    split = (found.parts // found.micro, found.micro)
     masked = options.mask_key not in (None, "auto")
     own = found.where.replace("devices", "device").replace("micro-batches", "micro-batch")
     rows = f"on {found.parts * found.rows} rows, {found.rows} from each of {_parts(found, split)}"
@@ -137,12 +139,6 @@ def refusal(found: Audit, devices: int, options) -> str:
         fixes += " or use backend='jit' (the loss sees the whole batch)"
     return (f"loss_fn is not a mean over its rows: {what}, not one device's step on the whole batch: {fixes}, "
             f"or pass audit=False to train it as it is.")
-
-
-def micro_parts(options, parts: int) -> int:
-    """The micro-batch dimension of the audit's P parts (1 where it is not audited: model state)."""
-    micro = 1 if options.has_state else options.accum_steps
-    return micro if parts % micro == 0 else 1
 
 
 def aux_note(name: str, gathered: float, own: float, parts: int) -> str:
