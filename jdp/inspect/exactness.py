@@ -1,8 +1,8 @@
 """`assert_data_parallel_exact`: does jdp on N devices take the steps plain one-device JAX takes?
 
 Used by `jdp.testing` (which re-exports it) and by jdp's own tests. The reference never uses jdp's
-step: `jax.jit(value_and_grad)` + optax on the whole global batch, or Flax's `nnx.Optimizer` loop
-for an nnx model, with `optax.MultiSteps` over the micro-batches when accum_steps > 1.
+step, and it is the definition: one device, one step on the whole global batch of each optimizer
+step (`jdp.inspect.reference`), micro-batches only where the model's statistics make them part of it.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from flax import nnx
 from jdp.core.step import get_tree
 from jdp.core.step import make_train_step as make_array_step
 from jdp.inspect.exactness_hints import failure_hint, leaves as _leaves
-from jdp.inspect.reference import micro_batches, one_device_reference
+from jdp.inspect.reference import micro_batches, one_device_reference, optimizer_batches
 from jdp.inspect.replicas import check_replicas
 
 # dtype: (rtol, atol). A leaf passes if max |jdp - reference| <= atol + rtol * max |reference|.
@@ -122,7 +122,7 @@ class _Setup:
     """What every run of one check shares: the loss as declared, the optimizer and the reference."""
 
     loss_fn: Callable
-    tx: optax.GradientTransformation  # the optimizer itself (the reference wraps it in MultiSteps)
+    tx: optax.GradientTransformation  # the one-device optimizer: MultiSteps' inner one, else as given
     start: object  # params, or an nnx model
     model_state: object  # has_state only: the initial model state (Linen's batch_stats)
     has_aux: bool
@@ -131,6 +131,8 @@ class _Setup:
     atol: float | None
     atol_for: tuple[tuple[str, float], ...] = ()  # (leaf name pattern, atol), the first match wins
     mask_key: str | None = None  # the step's mask_key ("auto" read as None, as the step reads it)
+    every_k: int = 1  # an optax.MultiSteps optimizer's k: calls (batches) per optimizer step
+    step_tx: object = None  # what jdp's step is given: the optimizer as the caller passed it
 
 
 def assert_data_parallel_exact(loss_fn: Callable, optimizer, params_or_model, batches: Iterable, *,
@@ -150,17 +152,20 @@ def assert_data_parallel_exact(loss_fn: Callable, optimizer, params_or_model, ba
         with has_aux (aux: scalar means such as accuracy; compared too). With has_state (array
         params, e.g. a Linen model with BatchNorm): `loss_fn(params, model_state, batch) -> (loss,
         new_model_state)`, or `(loss, (aux, new_model_state))` with has_aux.
-      optimizer: an optax transformation (or, for a model, an `nnx.Optimizer`: its `tx`).
+      optimizer: an optax transformation (or, for a model, an `nnx.Optimizer`: its `tx`), or an
+        `optax.MultiSteps(inner, k)` as the step takes it (then accum_steps=1, and every k batches
+        are one optimizer step: the reference is one step of `inner` on those k batches together).
       params_or_model: a pytree of arrays, or an `nnx.Module` (never modified). A model that draws
         random numbers (Dropout) cannot match one device: make it deterministic for this test.
       batches: global batches, each `accum_steps` × N × b examples along the leading axis (a step each).
       devices: the N devices, default all of `jax.devices()` (at least 2 unless given).
       backends, accum_sync: every combination is run (accum_sync only when accum_steps > 1; "jit"
         with "every" only, as it refuses "last"), each compiled once; so is the reference.
-      accum_steps: M micro-batches per optimizer step. The reference is then one device stepping
-        `optax.MultiSteps(optimizer, M)` through the same M micro-batches (for a model without
-        batch statistics, the same as one step on the whole global batch; with them, statistics
-        per micro-batch, as jdp computes them).
+      accum_steps: M micro-batches per optimizer step. The reference is still one step on the
+        whole global batch: a loss that is not a mean over examples (it divides by the micro-batch's
+        own count of tokens) fails here, as it fails the definition. Only a model with batch
+        statistics (has_state, an nnx `BatchStat`) has its micro-batches in its definition: its
+        reference steps `optax.MultiSteps(optimizer, M)` through the same M micro-batches.
       has_state, model_state: array params with non-parameter state (Linen's `batch_stats`): the
         state is compared too.
       rtol, atol: a leaf passes if max |jdp - reference| <= atol + rtol · max |reference|;
@@ -215,7 +220,12 @@ def assert_data_parallel_exact(loss_fn: Callable, optimizer, params_or_model, ba
     except NotExactError as e:
         if e.report is None or e.report.ok:
             raise
-        hint = failure_hint(setup, e.report.failures, micro_batches(batches[0], accum_steps)[0], len(devices), axis)
+        # under jit alone a loss sees whole micro-batches: measure the parts it is averaged over there
+        jit_only, k = set(backends) == {"jit"}, setup.every_k
+        parts = ((batches[0], accum_steps, "micro-batches") if jit_only and accum_steps > 1 else
+                 (optimizer_batches(batches[:k], k)[0], k, "batches of one optax.MultiSteps step") if jit_only and k > 1
+                 else (micro_batches(batches[0], accum_steps)[0], len(devices), "device shards"))
+        hint = failure_hint(setup, e.report.failures, *parts, axis)
         if hint is None:
             raise
         raise NotExactError(f"{hint}\n{e}", e.report) from None
@@ -250,9 +260,10 @@ def _checked_devices(devices) -> list:
 
 def _setup(loss_fn, optimizer, start, has_aux, has_state, model_state, rtol, atol, atol_for, mask_key) -> _Setup:
     is_model = isinstance(start, nnx.Module)
-    tx = optimizer.tx if is_model and isinstance(optimizer, nnx.Optimizer) else optimizer
+    given = optimizer.tx if is_model and isinstance(optimizer, nnx.Optimizer) else optimizer
+    tx, every_k = multi_steps_inner(given)
     if not isinstance(tx, optax.GradientTransformation):
-        raise ValueError(f"optimizer must be an optax.GradientTransformation"
+        raise ValueError(f"optimizer must be an optax.GradientTransformation or an optax.MultiSteps"
                          f"{' or an nnx.Optimizer' if is_model else ''}, got {type(optimizer).__name__}.")
     if has_state and is_model:
         raise ValueError("has_state is for array params (e.g. Linen's batch_stats); an nnx model's BatchNorm "
@@ -265,7 +276,23 @@ def _setup(loss_fn, optimizer, start, has_aux, has_state, model_state, rtol, ato
         raise ValueError(f"atol_for must map leaf names (or fnmatch patterns) to tolerances >= 0, e.g. "
                          f"{{'params.attn.bk': 1e-2}}; got {atol_for!r:.80}.")
     return _Setup(loss_fn, tx, start, model_state, has_aux, has_state, rtol, atol,
-                  tuple((k, float(v)) for k, v in (atol_for or {}).items()), None if mask_key == "auto" else mask_key)
+                  tuple((k, float(v)) for k, v in (atol_for or {}).items()), None if mask_key == "auto" else mask_key,
+                  every_k, given)
+
+
+def multi_steps_inner(optimizer) -> tuple[object, int]:
+    """`(the one-device optimizer, calls per optimizer step)`: an `optax.MultiSteps(inner, k)` is
+    `(inner, k)` (one step of inner on the k calls' batches together is the definition it
+    approximates), anything else `(optimizer, 1)`. A MultiSteps that sums, skips or changes k is refused."""
+    if not isinstance(optimizer, optax.MultiSteps):
+        return optimizer, 1
+    ks = {int(optimizer._every_k_schedule(n)) for n in (0, 1, 2, 1000)}
+    skips = "MultiSteps.__init__" not in getattr(optimizer._should_skip_update_fn, "__qualname__", "")
+    if len(ks) != 1 or not optimizer._use_grad_mean or skips:
+        raise ValueError("optimizer is an optax.MultiSteps with a varying every_k_schedule, use_grad_mean=False or a "
+                         "should_skip_update_fn, which has no one-device step to compare with; pass one with a "
+                         "constant k (or its inner optimizer with accum_steps=k).")
+    return optimizer._opt, ks.pop()
 
 
 def _check_atol_for(setup: _Setup, ref_final) -> None:
@@ -293,10 +320,11 @@ def _run_jdp(label: str, setup: _Setup, batches: list, options: dict):
     """One jdp run over every batch: (final params [and model state], per-step losses, per-step aux)."""
     is_model = isinstance(setup.start, nnx.Module)
     if is_model:
-        step = _nnx_make_train_step(setup.start, setup.loss_fn, setup.tx, has_aux=setup.has_aux, **options)
+        step = _nnx_make_train_step(setup.start, setup.loss_fn, setup.step_tx, has_aux=setup.has_aux, **options)
         state = step.init(seed=0)
     else:
-        step = make_array_step(setup.loss_fn, setup.tx, has_aux=setup.has_aux, has_state=setup.has_state, **options)
+        step = make_array_step(setup.loss_fn, setup.step_tx, has_aux=setup.has_aux, has_state=setup.has_state,
+                               **options)
         state = step.init(setup.start, setup.model_state if setup.has_state else ())
     losses, auxes = [], []
     for batch in batches:
@@ -310,11 +338,14 @@ def _run_jdp(label: str, setup: _Setup, batches: list, options: dict):
         raise NotExactError(f"{label}: the devices' copies of the state differ: {e}", None) from e
     taken = int(get_tree(state, state.step))
     if taken != len(batches):
-        raise NotExactError(f"{label}: {taken} optimizer step(s) taken for {len(batches)} global batches.", None)
+        raise NotExactError(f"{label}: {taken} step(s) taken for {len(batches)} global batches.", None)
     final = {"params": get_tree(state, state.params)}
     if is_model or setup.has_state:
         final["model_state"] = get_tree(state, state.model_state)
-    return final, jax.device_get(losses), jax.device_get(auxes)
+    k = setup.every_k  # MultiSteps: the mean of its k calls' losses, the loss of its optimizer step
+    losses, auxes = jax.device_get(losses), jax.device_get(auxes)
+    return (final, [np.mean(np.stack(losses[i:i + k]), 0) for i in range(0, len(losses), k)],
+            [jax.tree.map(lambda *xs: np.mean(np.stack(xs), 0), *auxes[i:i + k]) for i in range(0, len(auxes), k)])
 
 
 def _compare_run(label: str, setup: _Setup, run, reference) -> list[LeafDiff]:
