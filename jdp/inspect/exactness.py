@@ -20,7 +20,7 @@ from flax import nnx
 from jdp.core.step import get_tree
 from jdp.core.step import make_train_step as make_array_step
 from jdp.inspect.exactness_hints import failure_hint, leaves as _leaves
-from jdp.inspect.reference import micro_batches, one_device_reference, optimizer_batches
+from jdp.inspect.reference import micro_batches, multi_steps_inner, one_device_reference, optimizer_batches
 from jdp.inspect.replicas import check_replicas
 
 # dtype: (rtol, atol). A leaf passes if max |jdp - reference| <= atol + rtol * max |reference|.
@@ -278,21 +278,6 @@ def _setup(loss_fn, optimizer, start, has_aux, has_state, model_state, rtol, ato
     return _Setup(loss_fn, tx, start, model_state, has_aux, has_state, rtol, atol,
                   tuple((k, float(v)) for k, v in (atol_for or {}).items()), None if mask_key == "auto" else mask_key,
                   every_k, given)
-
-
-def multi_steps_inner(optimizer) -> tuple[object, int]:
-    """`(the one-device optimizer, calls per optimizer step)`: an `optax.MultiSteps(inner, k)` is
-    `(inner, k)` (one step of inner on the k calls' batches together is the definition it
-    approximates), anything else `(optimizer, 1)`. A MultiSteps that sums, skips or changes k is refused."""
-    if not isinstance(optimizer, optax.MultiSteps):
-        return optimizer, 1
-    ks = {int(optimizer._every_k_schedule(n)) for n in (0, 1, 2, 1000)}
-    skips = "MultiSteps.__init__" not in getattr(optimizer._should_skip_update_fn, "__qualname__", "")
-    if len(ks) != 1 or not optimizer._use_grad_mean or skips:
-        raise ValueError("optimizer is an optax.MultiSteps with a varying every_k_schedule, use_grad_mean=False or a "
-                         "should_skip_update_fn, which has no one-device step to compare with; pass one with a "
-                         "constant k (or its inner optimizer with accum_steps=k).")
-    return optimizer._opt, ks.pop()
 
 
 def _check_atol_for(setup: _Setup, ref_final) -> None:

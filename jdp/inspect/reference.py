@@ -57,6 +57,21 @@ def optimizer_batches(batches: list, every_k: int) -> list:
             for g in groups]
 
 
+def multi_steps_inner(optimizer) -> tuple[object, int]:
+    """`(the one-device optimizer, calls per optimizer step)`: an `optax.MultiSteps(inner, k)` is
+    `(inner, k)` (one step of inner on the k calls' batches together is the definition it
+    approximates), anything else `(optimizer, 1)`. A MultiSteps that sums, skips or changes k is refused."""
+    if not isinstance(optimizer, optax.MultiSteps):
+        return optimizer, 1
+    ks = {int(optimizer._every_k_schedule(n)) for n in (0, 1, 2, 1000)}
+    skips = "MultiSteps.__init__" not in getattr(optimizer._should_skip_update_fn, "__qualname__", "")
+    if len(ks) != 1 or not optimizer._use_grad_mean or skips:
+        raise ValueError("optimizer is an optax.MultiSteps with a varying every_k_schedule, use_grad_mean=False or a "
+                         "should_skip_update_fn, which has no one-device step to compare with; pass one with a "
+                         "constant k (or its inner optimizer with accum_steps=k).")
+    return optimizer._opt, ks.pop()
+
+
 def has_model_state(setup, params_or_model) -> bool:
     """Whether the model has state its steps update (Linen's batch_stats with has_state, an nnx
     model's `BatchStat`s), which makes its micro-batches part of its definition."""
