@@ -65,6 +65,15 @@ def make_train_step(train_state: flax_train_state.TrainState, loss_fn: Callable,
         has_aux, needs_rng, has_state, skip_nonfinite, grad_norm, mask_key, axis_name: e.g.
         'batch' for a model whose BatchNorm has axis_name='batch', sync_batchnorm). reduction='sum'
         is refused: the continued optimizer state holds statistics of mean gradients.
+        `mesh=` (backend="jit" only): the `jax.sharding.Mesh` the code was written for, e.g.
+        nanodo's `Mesh(devices, ("data",))`: the step runs on it, the batch split over its data
+        axis, and the annotations' names that are its axes map to themselves.
+
+    Params boxed by `nn.with_partitioning` / `nn.with_logical_partitioning` (`nn.Partitioned`
+    leaves, and the optimizer state that mirrors them): the step takes their values, and the boxes'
+    names as the params' annotations (honoured under backend="jit", set aside under "shard_map" and
+    "pmap", where a model whose code constrains shardings while it runs is refused in one sentence);
+    `to_train_state` puts the trained values back into the same boxes.
 
     Returns:
       `(step, state)`: a `jdp.TrainStep` and its state, `state, metrics = step(state, batch)`.
