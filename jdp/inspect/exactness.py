@@ -20,6 +20,7 @@ from flax import nnx
 from jdp.core.step import get_tree
 from jdp.core.step import make_train_step as make_array_step
 from jdp.inspect.exactness_hints import failure_hint, leaves as _leaves
+from jdp.inspect.exactness_report import ExactnessReport, LeafDiff, NotExactError
 from jdp.inspect.reference import micro_batches, multi_steps_inner, one_device_reference, optimizer_batches
 from jdp.inspect.replicas import check_replicas
 
@@ -45,72 +46,6 @@ def default_tolerance(dtype) -> tuple[float, float]:
     if jnp.issubdtype(dtype, jnp.inexact):  # complex, float8: by the width of their floats
         return TOLERANCES.get(jnp.finfo(dtype).dtype.name, TOLERANCES["bfloat16"])
     return 0.0, 0.0
-
-
-@dataclass(frozen=True)
-class LeafDiff:
-    """One leaf of one run compared with the one-device reference."""
-
-    run: str  # "shard_map", "pmap", or with accumulation "pmap, accum_sync='last'"
-    name: str  # "params.l0.w", "model_state.bn.mean", "loss", "aux.accuracy"
-    diff: float  # max |jdp - reference| over the leaf (loss and aux: over the steps)
-    tol: float  # atol + rtol * max |reference|
-    moved: float  # max |reference after the steps - before| (NaN for loss and aux)
-    dtype: str
-
-    @property
-    def ok(self) -> bool:
-        return self.diff <= self.tol
-
-    @property
-    def ratio(self) -> float:
-        """diff / tol: above 1 fails."""
-        return self.diff / self.tol if self.tol > 0 else (0.0 if self.diff == 0 else math.inf)
-
-
-@dataclass(frozen=True)
-class ExactnessReport:
-    """Every leaf of every run, worst first (by diff / tol). `str(report)` is a table."""
-
-    rows: tuple[LeafDiff, ...]
-    devices: int
-    steps: int
-    runs: tuple[str, ...]
-
-    @property
-    def failures(self) -> tuple[LeafDiff, ...]:
-        return tuple(r for r in self.rows if not r.ok)
-
-    @property
-    def ok(self) -> bool:
-        return not self.failures
-
-    def table(self, limit: int | None = None) -> str:
-        rows = self.rows if limit is None else self.rows[:limit]
-        run_w = max([3] + [len(r.run) for r in rows])
-        name_w = max([4] + [len(r.name) for r in rows])
-        lines = [f"     {'run':<{run_w}}  {'leaf':<{name_w}}  {'max|Δ|':>9}  {'tolerance':>9}  {'moved':>9}  dtype"]
-        for r in rows:
-            lines.append(f"{'ok ' if r.ok else 'FAIL'} {r.run:<{run_w}}  {r.name:<{name_w}}  {r.diff:9.2e}  "
-                         f"{r.tol:9.2e}  {r.moved:9.2e}  {r.dtype}")
-        if len(rows) < len(self.rows):
-            lines.append(f"     ... {len(self.rows) - len(rows)} more, all within tolerance"
-                         if all(r.ok for r in self.rows[len(rows):]) else f"     ... {len(self.rows) - len(rows)} more")
-        return "\n".join(lines)
-
-    def __str__(self) -> str:
-        head = (f"jdp on {self.devices} device(s) vs one device, {self.steps} step(s), runs: {', '.join(self.runs)}; "
-                f"{len(self.failures)} of {len(self.rows)} leaves beyond tolerance; worst first:")
-        return head + "\n" + self.table()
-
-
-class NotExactError(AssertionError):
-    """Raised by `assert_data_parallel_exact`; `.report` is the `ExactnessReport` (every leaf), or None
-    when the failure is not a leaf's (the reference went non-finite, replicas, step count)."""
-
-    def __init__(self, message: str, report: ExactnessReport | None):
-        super().__init__(message)
-        self.report = report
 
 
 _OWN_OPTIONS = ("backend", "devices", "accum_steps", "accum_sync", "has_aux", "has_state")
@@ -181,12 +116,15 @@ def assert_data_parallel_exact(loss_fn: Callable, optimizer, params_or_model, ba
         the loss reduces over, e.g. 'batch' for `nn.BatchNorm(axis_name='batch')`), and for a model
         `sync_batchnorm`).
 
-    The reference is independent of jdp: `jax.jit` of `jax.value_and_grad` and the optax update on
-    the whole global batch on the first device, the loss run with `axis_name` bound on that one
-    device (`jax.vmap` over an axis of size 1, so a BatchNorm's or a metric's `lax.pmean` is the
-    identity); for an nnx model, `nnx.value_and_grad` and an `nnx.Optimizer`, BatchNorm statistics
-    compared too; a `jdp.Weighted` loss's reference (array params or a model) sums each optimizer
-    step's totals, gradients and weights over its micro-batches and divides once. Per run, the
+    The reference is independent of jdp, and it is the definition: `jax.jit` of
+    `jax.value_and_grad` and the optax update, ONE step on the WHOLE global batch of each optimizer
+    step (its M micro-batches, or a MultiSteps' k batches, together) on the first device, the loss
+    run with `axis_name` bound on that one device (`jax.vmap` over an axis of size 1, so a
+    BatchNorm's or a metric's `lax.pmean` is the identity); for an nnx model, `nnx.value_and_grad`
+    and an `nnx.Optimizer`, BatchNorm statistics compared too (with them, and with has_state, the
+    micro-batches are part of the model's definition: `optax.MultiSteps` over them); a
+    `jdp.Weighted` loss's reference sums each optimizer step's totals, gradients and weights and
+    divides once. Per run, the
     params (and model state), the loss and aux of every step, the optimizer step count and the
     replicas (`jdp.check_replicas`) are checked.
 
