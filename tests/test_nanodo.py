@@ -88,8 +88,9 @@ def nanodo_run(devices):
 
 
 def floor():
-    """nanodo's own step on 8 devices against on one: the float32 floor of these 3 steps."""
-    return max_diff(nanodo_run(8)[0], nanodo_run(1)[0])
+    """nanodo's own step on 8 devices against on one: the float32 floor of these 3 steps (1.8e-07
+    measured), at least 1e-07 (should another compiler's reduction order happen to match exactly)."""
+    return max(max_diff(nanodo_run(8)[0], nanodo_run(1)[0]), 1e-7)
 
 
 def nanodo_state():
