@@ -137,7 +137,7 @@ QUICK = (
     "test_model_precision.py::test_bad_dtype_is_a_one_sentence_error_naming_it",
     "test_model_precision.py::test_cnn_bf16_train_call_keeps_batch_stats_float32",
     "test_model_precision.py::test_remat_is_in_the_jaxpr_and_fused_attention_builds_no_mask",
-    "test_linen.py::test_one_sentence_errors",
+    "test_linen.py::test_one_sentence_errors", "test_exactness_definition.py",
     "test_linen.py::test_bridge_equals_the_linen_loop_and_hands_back[shard_map-adam-2-last-1]",
     "test_linen.py::test_batchnorm_mistakes_are_one_sentence",
     "test_papercuts.py::test_plot_has_axis_labels_the_run_name_and_marked_eval_points",

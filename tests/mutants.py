@@ -1107,8 +1107,28 @@ MUTANTS = [
            "if n > 1 and m > 1 and not seen.random:",
            "if False:",  # both dimensions named where only the micro-batches fail
            ("tests/test_audit_cases.py::test_a_loss_exact_per_device_but_normalised_per_micro_batch_is_located_there",)),
+    # The exactness helper's reference is the definition, and the Linen papercuts found porting nanodo
+    Mutant("reference_accumulates_micro_batch_means", "inspect/reference.py",
+           "per_micro = has_model_state(setup, params_or_model) and m > 1",
+           "per_micro = m > 1",  # the reference steps MultiSteps over micro-batch means, sharing the bug
+           ("tests/test_exactness_definition.py::test_accumulating_an_own_count_loss_fails_and_its_weighted_form_passes",)),
+    Mutant("helper_refuses_multisteps", "inspect/exactness.py",
+           "tx, every_k = multi_steps_inner(given)",
+           "tx, every_k = given, 1",  # "optimizer must be an optax.GradientTransformation, got MultiSteps"
+           ("tests/test_exactness_definition.py::test_multisteps_is_taken_as_the_step_takes_it",)),
+    Mutant("linen_dropout_named_own_count", "inspect/exactness_hints.py",
+           "hint = linen_dropout_hint(setup, batch, axis) or own_count_hint(",
+           "hint = own_count_hint(",  # dropout's masks reported as a loss dividing by its own count
+           ("tests/test_exactness_definition.py::test_linen_dropout_is_named_as_the_cause",)),
+    Mutant("boxed_params_not_reboxed", "bridges/linen.py",
+           "    if boxed is not train_state:\n        trained[\"params\"]",
+           "    if False:\n        trained[\"params\"]",  # to_train_state refuses (its structure check) or hands back bare arrays
+           ("tests/test_exactness_definition.py::test_to_train_state_gives_boxed_params_back_boxed",)),
+    Mutant("constraints_not_refused", "core/constraints.py",
+           "    if backend == \"jit\":\n        return loss_fn",
+           "    if True:\n        return loss_fn",  # the raw JAX/Flax with_sharding_constraint error
+           ("tests/test_exactness_definition.py::test_a_sharding_constraint_in_the_model_is_refused_under_shard_map",)),
 ]
-
 
 def occurrences(mutant: Mutant, jdp_dir: str) -> int:
     with open(os.path.join(jdp_dir, mutant.file), encoding="utf-8") as f:

@@ -144,9 +144,9 @@ def test_bad_arguments_are_one_sentence():
         assert_data_parallel_exact(mlp_loss, optax.sgd(0.1), params, data, devices=FOUR, needs_rng=True)
     with pytest.raises(ValueError, match="backend is an argument of assert_data_parallel_exact itself"):
         assert_data_parallel_exact(mlp_loss, optax.sgd(0.1), params, data, devices=FOUR, backend="pmap")
-    with pytest.raises(ValueError, match="optimizer must be an optax.GradientTransformation, got str"):
+    with pytest.raises(ValueError, match="optimizer must be an optax.GradientTransformation or an optax.Mu.*got str"):
         assert_data_parallel_exact(mlp_loss, "adam", params, data, devices=FOUR)
-    with pytest.raises(ValueError, match="does not split into accum_steps=3 micro-batches"):
+    with pytest.raises(ValueError, match=r"global batch size 32 is not accum_steps × devices × b = 3 × 4 × b"):
         assert_data_parallel_exact(mlp_loss, optax.sgd(0.1), params, data, devices=FOUR, accum_steps=3)
 
 

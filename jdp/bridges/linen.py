@@ -34,7 +34,7 @@ import numpy as np
 import optax
 from flax.training import train_state as flax_train_state
 
-from jdp.core.annotations import unboxed_linen
+from jdp.core.annotations import reboxed_linen, unboxed_linen
 from jdp.core.loss import signature_mismatch
 from jdp.core.state import LocalAccum, TrainState
 from jdp.core.step import TrainStep, get_tree
@@ -65,6 +65,15 @@ def make_train_step(train_state: flax_train_state.TrainState, loss_fn: Callable,
         has_aux, needs_rng, has_state, skip_nonfinite, grad_norm, mask_key, axis_name: e.g.
         'batch' for a model whose BatchNorm has axis_name='batch', sync_batchnorm). reduction='sum'
         is refused: the continued optimizer state holds statistics of mean gradients.
+        `mesh=` (backend="jit" only): the `jax.sharding.Mesh` the code was written for, e.g.
+        nanodo's `Mesh(devices, ("data",))`: the step runs on it, the batch split over its data
+        axis, and the annotations' names that are its axes map to themselves.
+
+    Params boxed by `nn.with_partitioning` / `nn.with_logical_partitioning` (`nn.Partitioned`
+    leaves, and the optimizer state that mirrors them): the step takes their values, and the boxes'
+    names as the params' annotations (honoured under backend="jit", set aside under "shard_map" and
+    "pmap", where a model whose code constrains shardings while it runs is refused in one sentence);
+    `to_train_state` puts the trained values back into the same boxes.
 
     Returns:
       `(step, state)`: a `jdp.TrainStep` and its state, `state, metrics = step(state, batch)`.
@@ -126,13 +135,19 @@ def to_train_state(train_state: flax_train_state.TrainState, state: TrainState) 
 
     The values are host numpy arrays (one copy, original shapes and dtypes; `step` keeps the type
     `train_state.step` has), so one-device code, e.g. `train_state.apply_gradients`, continues
-    from exactly where the data-parallel steps left off. Take it after an update (with
+    from exactly where the data-parallel steps left off. Params boxed by `nn.with_partitioning` /
+    `nn.with_logical_partitioning` (and the optimizer state that mirrors them) come back in the same
+    boxes, with the same metadata, as `train_state` holds them. Take it after an update (with
     accum_steps = M: after the M-th call of an optimizer step), since a partial step's gradient
     sums are not part of a TrainState.
     """
     _check_train_state(train_state)
     if not isinstance(state, TrainState):
         raise ValueError(f"state must be the jdp state from jdp.bridges.linen.make_train_step, got {type(state).__name__}.")
+    boxed = train_state
+    if unboxed_linen(train_state.params)[1] is not None:  # the step took the values out of the boxes
+        train_state = train_state.replace(params=unboxed_linen(train_state.params)[0],
+                                          opt_state=unboxed_linen(train_state.opt_state)[0])
     if not state.stacked and not all(x.sharding.is_fully_replicated for x in jax.tree.leaves((state.params,
                                      state.opt_state)) if isinstance(x, jax.Array)):
         raise ValueError("state's optimizer state is sharded over the devices (shard_optimizer_state or shard_params "
@@ -156,7 +171,10 @@ def to_train_state(train_state: flax_train_state.TrainState, state: TrainState) 
     trained = {"step": step, "params": get_tree(state, state.params), "opt_state": opt_state}
     if _has_batch_stats(train_state) and jax.tree.leaves(state.model_state):
         trained["batch_stats"] = get_tree(state, state.model_state)
-    return train_state.replace(**trained)
+    if boxed is not train_state:
+        trained["params"] = reboxed_linen(boxed.params, trained["params"])
+        trained["opt_state"] = reboxed_linen(boxed.opt_state, trained["opt_state"])
+    return boxed.replace(**trained)
 
 
 def _check_train_state(train_state) -> None:

@@ -58,6 +58,17 @@ def unboxed_linen(tree):
     return jax.tree.map(lambda x: x.value if is_box(x) else x, tree, is_leaf=is_box), names
 
 
+def reboxed_linen(template, values):
+    """`values` (a tree like `template` with Linen's boxes taken off, as `unboxed_linen` gives it) with
+    each box of `template` put back around its value: the same `nn.Partitioned` /
+    `nn.LogicallyPartitioned` metadata (names, mesh), the new value."""
+    from flax.linen import meta
+
+    is_box = lambda x: isinstance(x, meta.AxisMetadata)  # noqa: E731
+    return jax.tree.map(lambda box, value: box.replace_boxed(value) if is_box(box) else value, template, values,
+                        is_leaf=is_box)
+
+
 def jdp_axes(mesh) -> dict[str, int]:
     """jdp's mesh axes and their sizes."""
     return dict(zip(mesh.axis_names, mesh.devices.shape))

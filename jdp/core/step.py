@@ -92,6 +92,7 @@ from jdp.core.mesh import DATA_AXIS, make_mesh, users_mesh
 from jdp.core.optim import OptimizerSpec, check_optimizer, for_reduction, with_grad_scale
 from jdp.core.options import StepOptions
 from jdp.core.placement import Placement
+from jdp.core.constraints import constraints_refused
 from jdp.core.precision import check_master_params, check_trainable, in_precision
 from jdp.core.state import TrainState
 from jdp.core.zero import ShardedStateLayout
@@ -133,7 +134,8 @@ class TrainStep:
         elif has_annotations(param_axes):
             say_once(f"the params' sharding annotations (e.g. {describe(param_axes)}) are set aside under "
                      f"backend={o.backend!r}, which keeps whole params on every device; backend='jit' honours them.")
-        declared = partial(call_loss, loss_fn, o)  # as loss_fn declares it, before any cast
+        # a sharding constraint inside the model fails under the per-device backends: said in one sentence
+        declared = partial(call_loss, constraints_refused(loss_fn, o.backend), o)  # as declared, before any cast
         self._loss = in_precision(declared, o.precision, o.mask_key)
         self._first = FirstCall(self.layout, self.mesh, declared, self._loss, o,
                                 partial(call_loss, loss_fn, audited_options(o)))

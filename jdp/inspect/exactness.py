@@ -1,8 +1,8 @@
 """`assert_data_parallel_exact`: does jdp on N devices take the steps plain one-device JAX takes?
 
 Used by `jdp.testing` (which re-exports it) and by jdp's own tests. The reference never uses jdp's
-step: `jax.jit(value_and_grad)` + optax on the whole global batch, or Flax's `nnx.Optimizer` loop
-for an nnx model, with `optax.MultiSteps` over the micro-batches when accum_steps > 1.
+step, and it is the definition: one device, one step on the whole global batch of each optimizer
+step (`jdp.inspect.reference`), micro-batches only where the model's statistics make them part of it.
 """
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ from flax import nnx
 from jdp.core.step import get_tree
 from jdp.core.step import make_train_step as make_array_step
 from jdp.inspect.exactness_hints import failure_hint, leaves as _leaves
-from jdp.inspect.reference import micro_batches, one_device_reference
+from jdp.inspect.exactness_report import ExactnessReport, LeafDiff, NotExactError
+from jdp.inspect.reference import micro_batches, multi_steps_inner, one_device_reference, optimizer_batches
 from jdp.inspect.replicas import check_replicas
 
 # dtype: (rtol, atol). A leaf passes if max |jdp - reference| <= atol + rtol * max |reference|.
@@ -47,72 +48,6 @@ def default_tolerance(dtype) -> tuple[float, float]:
     return 0.0, 0.0
 
 
-@dataclass(frozen=True)
-class LeafDiff:
-    """One leaf of one run compared with the one-device reference."""
-
-    run: str  # "shard_map", "pmap", or with accumulation "pmap, accum_sync='last'"
-    name: str  # "params.l0.w", "model_state.bn.mean", "loss", "aux.accuracy"
-    diff: float  # max |jdp - reference| over the leaf (loss and aux: over the steps)
-    tol: float  # atol + rtol * max |reference|
-    moved: float  # max |reference after the steps - before| (NaN for loss and aux)
-    dtype: str
-
-    @property
-    def ok(self) -> bool:
-        return self.diff <= self.tol
-
-    @property
-    def ratio(self) -> float:
-        """diff / tol: above 1 fails."""
-        return self.diff / self.tol if self.tol > 0 else (0.0 if self.diff == 0 else math.inf)
-
-
-@dataclass(frozen=True)
-class ExactnessReport:
-    """Every leaf of every run, worst first (by diff / tol). `str(report)` is a table."""
-
-    rows: tuple[LeafDiff, ...]
-    devices: int
-    steps: int
-    runs: tuple[str, ...]
-
-    @property
-    def failures(self) -> tuple[LeafDiff, ...]:
-        return tuple(r for r in self.rows if not r.ok)
-
-    @property
-    def ok(self) -> bool:
-        return not self.failures
-
-    def table(self, limit: int | None = None) -> str:
-        rows = self.rows if limit is None else self.rows[:limit]
-        run_w = max([3] + [len(r.run) for r in rows])
-        name_w = max([4] + [len(r.name) for r in rows])
-        lines = [f"     {'run':<{run_w}}  {'leaf':<{name_w}}  {'max|Δ|':>9}  {'tolerance':>9}  {'moved':>9}  dtype"]
-        for r in rows:
-            lines.append(f"{'ok ' if r.ok else 'FAIL'} {r.run:<{run_w}}  {r.name:<{name_w}}  {r.diff:9.2e}  "
-                         f"{r.tol:9.2e}  {r.moved:9.2e}  {r.dtype}")
-        if len(rows) < len(self.rows):
-            lines.append(f"     ... {len(self.rows) - len(rows)} more, all within tolerance"
-                         if all(r.ok for r in self.rows[len(rows):]) else f"     ... {len(self.rows) - len(rows)} more")
-        return "\n".join(lines)
-
-    def __str__(self) -> str:
-        head = (f"jdp on {self.devices} device(s) vs one device, {self.steps} step(s), runs: {', '.join(self.runs)}; "
-                f"{len(self.failures)} of {len(self.rows)} leaves beyond tolerance; worst first:")
-        return head + "\n" + self.table()
-
-
-class NotExactError(AssertionError):
-    """Raised by `assert_data_parallel_exact`; `.report` is the `ExactnessReport` (every leaf), or None
-    when the failure is not a leaf's (the reference went non-finite, replicas, step count)."""
-
-    def __init__(self, message: str, report: ExactnessReport | None):
-        super().__init__(message)
-        self.report = report
-
-
 _OWN_OPTIONS = ("backend", "devices", "accum_steps", "accum_sync", "has_aux", "has_state")
 _NOT_ONE_DEVICE = {"needs_rng": "per-device random keys cannot equal one device's"}
 
@@ -122,7 +57,7 @@ class _Setup:
     """What every run of one check shares: the loss as declared, the optimizer and the reference."""
 
     loss_fn: Callable
-    tx: optax.GradientTransformation  # the optimizer itself (the reference wraps it in MultiSteps)
+    tx: optax.GradientTransformation  # the one-device optimizer: MultiSteps' inner one, else as given
     start: object  # params, or an nnx model
     model_state: object  # has_state only: the initial model state (Linen's batch_stats)
     has_aux: bool
@@ -131,6 +66,8 @@ class _Setup:
     atol: float | None
     atol_for: tuple[tuple[str, float], ...] = ()  # (leaf name pattern, atol), the first match wins
     mask_key: str | None = None  # the step's mask_key ("auto" read as None, as the step reads it)
+    every_k: int = 1  # an optax.MultiSteps optimizer's k: calls (batches) per optimizer step
+    step_tx: object = None  # what jdp's step is given: the optimizer as the caller passed it
 
 
 def assert_data_parallel_exact(loss_fn: Callable, optimizer, params_or_model, batches: Iterable, *,
@@ -150,17 +87,20 @@ def assert_data_parallel_exact(loss_fn: Callable, optimizer, params_or_model, ba
         with has_aux (aux: scalar means such as accuracy; compared too). With has_state (array
         params, e.g. a Linen model with BatchNorm): `loss_fn(params, model_state, batch) -> (loss,
         new_model_state)`, or `(loss, (aux, new_model_state))` with has_aux.
-      optimizer: an optax transformation (or, for a model, an `nnx.Optimizer`: its `tx`).
+      optimizer: an optax transformation (or, for a model, an `nnx.Optimizer`: its `tx`), or an
+        `optax.MultiSteps(inner, k)` as the step takes it (then accum_steps=1, and every k batches
+        are one optimizer step: the reference is one step of `inner` on those k batches together).
       params_or_model: a pytree of arrays, or an `nnx.Module` (never modified). A model that draws
         random numbers (Dropout) cannot match one device: make it deterministic for this test.
       batches: global batches, each `accum_steps` × N × b examples along the leading axis (a step each).
       devices: the N devices, default all of `jax.devices()` (at least 2 unless given).
       backends, accum_sync: every combination is run (accum_sync only when accum_steps > 1; "jit"
         with "every" only, as it refuses "last"), each compiled once; so is the reference.
-      accum_steps: M micro-batches per optimizer step. The reference is then one device stepping
-        `optax.MultiSteps(optimizer, M)` through the same M micro-batches (for a model without
-        batch statistics, the same as one step on the whole global batch; with them, statistics
-        per micro-batch, as jdp computes them).
+      accum_steps: M micro-batches per optimizer step. The reference is still one step on the
+        whole global batch: a loss that is not a mean over examples (it divides by the micro-batch's
+        own count of tokens) fails here, as it fails the definition. Only a model with batch
+        statistics (has_state, an nnx `BatchStat`) has its micro-batches in its definition: its
+        reference steps `optax.MultiSteps(optimizer, M)` through the same M micro-batches.
       has_state, model_state: array params with non-parameter state (Linen's `batch_stats`): the
         state is compared too.
       rtol, atol: a leaf passes if max |jdp - reference| <= atol + rtol · max |reference|;
@@ -176,12 +116,15 @@ def assert_data_parallel_exact(loss_fn: Callable, optimizer, params_or_model, ba
         the loss reduces over, e.g. 'batch' for `nn.BatchNorm(axis_name='batch')`), and for a model
         `sync_batchnorm`).
 
-    The reference is independent of jdp: `jax.jit` of `jax.value_and_grad` and the optax update on
-    the whole global batch on the first device, the loss run with `axis_name` bound on that one
-    device (`jax.vmap` over an axis of size 1, so a BatchNorm's or a metric's `lax.pmean` is the
-    identity); for an nnx model, `nnx.value_and_grad` and an `nnx.Optimizer`, BatchNorm statistics
-    compared too; a `jdp.Weighted` loss's reference (array params or a model) sums each optimizer
-    step's totals, gradients and weights over its micro-batches and divides once. Per run, the
+    The reference is independent of jdp, and it is the definition: `jax.jit` of
+    `jax.value_and_grad` and the optax update, ONE step on the WHOLE global batch of each optimizer
+    step (its M micro-batches, or a MultiSteps' k batches, together) on the first device, the loss
+    run with `axis_name` bound on that one device (`jax.vmap` over an axis of size 1, so a
+    BatchNorm's or a metric's `lax.pmean` is the identity); for an nnx model, `nnx.value_and_grad`
+    and an `nnx.Optimizer`, BatchNorm statistics compared too (with them, and with has_state, the
+    micro-batches are part of the model's definition: `optax.MultiSteps` over them); a
+    `jdp.Weighted` loss's reference sums each optimizer step's totals, gradients and weights and
+    divides once. Per run, the
     params (and model state), the loss and aux of every step, the optimizer step count and the
     replicas (`jdp.check_replicas`) are checked.
 
@@ -215,7 +158,12 @@ def assert_data_parallel_exact(loss_fn: Callable, optimizer, params_or_model, ba
     except NotExactError as e:
         if e.report is None or e.report.ok:
             raise
-        hint = failure_hint(setup, e.report.failures, micro_batches(batches[0], accum_steps)[0], len(devices), axis)
+        # under jit alone a loss sees whole micro-batches: measure the parts it is averaged over there
+        jit_only, k = set(backends) == {"jit"}, setup.every_k
+        parts = ((batches[0], accum_steps, "micro-batches") if jit_only and accum_steps > 1 else
+                 (optimizer_batches(batches[:k], k)[0], k, "batches of one optax.MultiSteps step") if jit_only and k > 1
+                 else (micro_batches(batches[0], accum_steps)[0], len(devices), "device shards"))
+        hint = failure_hint(setup, e.report.failures, *parts, axis)
         if hint is None:
             raise
         raise NotExactError(f"{hint}\n{e}", e.report) from None
@@ -250,9 +198,10 @@ def _checked_devices(devices) -> list:
 
 def _setup(loss_fn, optimizer, start, has_aux, has_state, model_state, rtol, atol, atol_for, mask_key) -> _Setup:
     is_model = isinstance(start, nnx.Module)
-    tx = optimizer.tx if is_model and isinstance(optimizer, nnx.Optimizer) else optimizer
+    given = optimizer.tx if is_model and isinstance(optimizer, nnx.Optimizer) else optimizer
+    tx, every_k = multi_steps_inner(given)
     if not isinstance(tx, optax.GradientTransformation):
-        raise ValueError(f"optimizer must be an optax.GradientTransformation"
+        raise ValueError(f"optimizer must be an optax.GradientTransformation or an optax.MultiSteps"
                          f"{' or an nnx.Optimizer' if is_model else ''}, got {type(optimizer).__name__}.")
     if has_state and is_model:
         raise ValueError("has_state is for array params (e.g. Linen's batch_stats); an nnx model's BatchNorm "
@@ -265,7 +214,8 @@ def _setup(loss_fn, optimizer, start, has_aux, has_state, model_state, rtol, ato
         raise ValueError(f"atol_for must map leaf names (or fnmatch patterns) to tolerances >= 0, e.g. "
                          f"{{'params.attn.bk': 1e-2}}; got {atol_for!r:.80}.")
     return _Setup(loss_fn, tx, start, model_state, has_aux, has_state, rtol, atol,
-                  tuple((k, float(v)) for k, v in (atol_for or {}).items()), None if mask_key == "auto" else mask_key)
+                  tuple((k, float(v)) for k, v in (atol_for or {}).items()), None if mask_key == "auto" else mask_key,
+                  every_k, given)
 
 
 def _check_atol_for(setup: _Setup, ref_final) -> None:
@@ -293,10 +243,11 @@ def _run_jdp(label: str, setup: _Setup, batches: list, options: dict):
     """One jdp run over every batch: (final params [and model state], per-step losses, per-step aux)."""
     is_model = isinstance(setup.start, nnx.Module)
     if is_model:
-        step = _nnx_make_train_step(setup.start, setup.loss_fn, setup.tx, has_aux=setup.has_aux, **options)
+        step = _nnx_make_train_step(setup.start, setup.loss_fn, setup.step_tx, has_aux=setup.has_aux, **options)
         state = step.init(seed=0)
     else:
-        step = make_array_step(setup.loss_fn, setup.tx, has_aux=setup.has_aux, has_state=setup.has_state, **options)
+        step = make_array_step(setup.loss_fn, setup.step_tx, has_aux=setup.has_aux, has_state=setup.has_state,
+                               **options)
         state = step.init(setup.start, setup.model_state if setup.has_state else ())
     losses, auxes = [], []
     for batch in batches:
@@ -310,11 +261,14 @@ def _run_jdp(label: str, setup: _Setup, batches: list, options: dict):
         raise NotExactError(f"{label}: the devices' copies of the state differ: {e}", None) from e
     taken = int(get_tree(state, state.step))
     if taken != len(batches):
-        raise NotExactError(f"{label}: {taken} optimizer step(s) taken for {len(batches)} global batches.", None)
+        raise NotExactError(f"{label}: {taken} step(s) taken for {len(batches)} global batches.", None)
     final = {"params": get_tree(state, state.params)}
     if is_model or setup.has_state:
         final["model_state"] = get_tree(state, state.model_state)
-    return final, jax.device_get(losses), jax.device_get(auxes)
+    k = setup.every_k  # MultiSteps: the mean of its k calls' losses, the loss of its optimizer step
+    losses, auxes = jax.device_get(losses), jax.device_get(auxes)
+    return (final, [np.mean(np.stack(losses[i:i + k]), 0) for i in range(0, len(losses), k)],
+            [jax.tree.map(lambda *xs: np.mean(np.stack(xs), 0), *auxes[i:i + k]) for i in range(0, len(auxes), k)])
 
 
 def _compare_run(label: str, setup: _Setup, run, reference) -> list[LeafDiff]:

@@ -9,7 +9,9 @@ Three causes are named in a sentence above the report's table:
   that feeds a BatchNorm): an optimizer that divides by the gradient's own scale (Adam) turns the
   rounding of a reduction order into steps of the learning rate's size there, however exact the
   reduction is.
-- `dropout_hint`: an nnx model's Dropout draws masks, which differ between devices and one device.
+- `dropout_hint`, `linen_dropout_hint`: an nnx model's Dropout, or a Linen `nn.Dropout` the loss
+  runs with deterministic=False, draws masks, which differ between devices and one device. Checked
+  first: dropout makes a loss look like one that divides by its own count.
 """
 from __future__ import annotations
 
@@ -36,13 +38,15 @@ def leaves(tree) -> dict[str, np.ndarray]:
     return out
 
 
-def failure_hint(setup, failures, batch, devices: int, axis: str) -> str | None:
-    """The sentence naming the cause of `failures` (LeafDiff rows), measured on `batch` (the first
-    micro-batch), or None: `own_count_hint` (array params), else `zero_gradient_hint`."""
+def failure_hint(setup, failures, batch, devices: int, what: str, axis: str) -> str | None:
+    """The sentence naming the cause of `failures` (LeafDiff rows), measured on `batch` split into
+    `devices` parts (`what`: "device shards", or "micro-batches" where only jit runs), or None:
+    `dropout_hint` (an nnx model), `linen_dropout_hint`, `own_count_hint` (array params), else
+    `zero_gradient_hint`."""
     if isinstance(setup.start, nnx.Module):
         hint = dropout_hint(setup.start)
     else:
-        hint = own_count_hint(setup, batch, devices, axis)
+        hint = linen_dropout_hint(setup, batch, axis) or own_count_hint(setup, batch, devices, axis, what)
     return hint or zero_gradient_hint(failures, initial_gradients(setup, batch, axis))
 
 
@@ -58,7 +62,38 @@ def dropout_hint(model) -> str | None:
             f"check (e.g. model.{on[0]}.deterministic = True, or nnx.Dropout(rate, deterministic=True)).")
 
 
-def own_count_hint(setup, batch, devices: int, axis: str) -> str | None:
+def linen_dropout_hint(setup, batch, axis: str) -> str | None:
+    """A sentence when the loss (traced once on `batch`, nothing computed) calls a Linen `nn.Dropout`
+    with a rate > 0 and deterministic False: its masks are drawn for the shape it is given, so each
+    device's (and micro-batch's) differ from one device's on the whole batch."""
+    from flax import linen as nn
+
+    on = []
+
+    def spy(next_fun, args, kwargs, context):
+        module = context.module
+        if isinstance(module, nn.Dropout) and context.method_name == "__call__" and module.rate > 0:
+            given = kwargs.get("deterministic", args[1] if len(args) > 1 else None)
+            deterministic = module.deterministic if given is None else given
+            if isinstance(deterministic, (bool, np.bool_)) and not deterministic:
+                on.append("/".join(module.scope.path) if module.scope is not None else module.name or "Dropout")
+        return next_fun(*args, **kwargs)
+
+    params = jax.tree.map(jnp.asarray, setup.start)
+    model_state = setup.model_state if setup.has_state else ()
+    traced = jax.vmap(lambda b: _call(setup, params, model_state, b)[0], axis_name=axis)
+    with nn.intercept_methods(spy):
+        jax.eval_shape(traced, jax.tree.map(lambda x: np.asarray(x)[None], batch))
+    if not on:
+        return None
+    names = ", ".join(dict.fromkeys(on[:3]))
+    return (f"the loss runs Linen's nn.Dropout ({names}{' ...' if len(on) > 3 else ''}) with deterministic=False, "
+            f"which draws random masks for the shape it is given, so each device's (and micro-batch's) masks differ "
+            f"from one device's on the whole batch and no data-parallel run can take its steps; turn it off for this "
+            f"check (apply(..., deterministic=True), or nn.Dropout(rate, deterministic=True)).")
+
+
+def own_count_hint(setup, batch, devices: int, axis: str, what: str = "device shards") -> str | None:
     """A sentence when the loss is not a mean over examples: on `batch` (one micro-batch) a plain
     loss's value differs from the mean of its values on the `devices` shards (it divides by each
     shard's own count of tokens, or sums), or a `jdp.Weighted` loss's total or weight is not the sum
@@ -75,31 +110,31 @@ def own_count_hint(setup, batch, devices: int, axis: str) -> str | None:
         for d in range(devices)]
     if is_weighted(whole):
         return _weighted_hint(whole, shards, devices, setup.mask_key if isinstance(batch, dict) and setup.mask_key
-                              in batch else None)
+                              in batch else None, what)
     whole, mean = float(whole), float(np.mean([float(s) for s in shards]))
     if abs(whole - mean) <= 1e-5 * max(1.0, abs(whole)):
         return None
     if abs(whole - devices * mean) <= 1e-4 * max(1.0, abs(whole)):
         return (f"loss_fn is not a mean over examples: on the first batch its value on the whole batch "
-                f"({whole:.6g}) is {devices} times the mean of its values on the {devices} device shards "
+                f"({whole:.6g}) is {devices} times the mean of its values on the {devices} {what} "
                 f"({mean:.6g}), as a sum over examples is; return the mean (jdp averages over devices), or jdp.Weighted(sum, count).")
     return (f"loss_fn is not a mean over examples: on the first batch its value on the whole batch ({whole:.6g}) "
-            f"differs from the mean of its values on the {devices} device shards ({mean:.6g}), as when it divides by "
-            f"each shard's own count of real tokens; return jdp.Weighted(sum of the losses, their count) so that jdp "
-            f"divides by the global count once.")
+            f"differs from the mean of its values on the {devices} {what} ({mean:.6g}), as when it divides by "
+            f"each {'shard' if what == 'device shards' else 'micro-batch'}'s own count of real tokens; return "
+            f"jdp.Weighted(sum of the losses, their count) so that jdp divides by the global count once.")
 
 
-def _weighted_hint(whole, shards, devices: int, mask_key: str | None) -> str | None:
+def _weighted_hint(whole, shards, devices: int, mask_key: str | None, what: str) -> str | None:
     for field in ("total", "weight"):
         value, parts = float(getattr(whole, field)), float(np.sum([float(getattr(s, field)) for s in shards]))
         if abs(value - parts) > 1e-5 * max(1.0, abs(value)) and mask_key is not None:
             return (f"loss_fn is not sum(mask · loss) / b under mask_key={mask_key!r}: on the first batch b times its "
-                    f"value is {value:.6g} on the whole batch and {parts:.6g} summed over the {devices} device shards, "
+                    f"value is {value:.6g} on the whole batch and {parts:.6g} summed over the {devices} {what}, "
                     f"as when it divides by the shard's own count of real examples; divide by the batch size b "
                     f"(jdp divides by the global count of real examples), or return jdp.Weighted(sum, count).")
         if abs(value - parts) > 1e-5 * max(1.0, abs(value)):
             return (f"loss_fn returns jdp.Weighted whose {field} is not a sum over examples: on the first batch it is "
-                    f"{value:.6g} on the whole batch and {parts:.6g} summed over the {devices} device shards; return "
+                    f"{value:.6g} on the whole batch and {parts:.6g} summed over the {devices} {what}; return "
                     f"jdp.Weighted(sum of the losses, sum of their weights), e.g. jnp.sum(mask * loss) and "
                     f"jnp.sum(mask): jdp divides the one by the other once, over the global batch.")
     return None

@@ -1,13 +1,18 @@
 """The one-device runs `assert_data_parallel_exact` compares jdp with, written without jdp's step.
 
-Plain JAX: `jax.jit(value_and_grad)` and the optax update on the whole global batch (or Flax's
-`nnx.Optimizer` loop for an nnx model), through `optax.MultiSteps` over the micro-batches when
-accum_steps > 1. A loss that returns `jdp.Weighted(total, weight)` is a mean over all the weight
-of an optimizer step: its reference sums the totals, gradients and weights of the step's M
-micro-batches and divides once (never `optax.MultiSteps`' mean of micro-batch means). A plain loss
-that divides by its own examples' or tokens' count is not a mean over examples: its value on the
-whole batch differs from the mean of its values on the device shards, which
-`jdp.inspect.exactness_hints.own_count_hint` measures.
+The reference is the definition: ONE device takes ONE step on the WHOLE global batch of each
+optimizer step (its accum_steps micro-batches, and with an `optax.MultiSteps(inner, k)` optimizer
+its k consecutive batches, concatenated), with the inner optimizer. Plain JAX:
+`jax.jit(value_and_grad)` and the optax update (or Flax's `nnx.Optimizer` loop for an nnx model).
+
+Micro-batches appear in the reference only where they are part of the model's definition: a model
+with state (BatchNorm statistics, Linen's `batch_stats`, an nnx `BatchStat`) computes statistics
+per micro-batch, so its reference steps `optax.MultiSteps(inner, M·k)` through the same
+micro-batches. A loss that returns `jdp.Weighted(total, weight)` is a mean over all the weight of an
+optimizer step: its reference sums the step's totals, gradients and weights and divides once, which
+is the whole-batch step. A plain loss that divides by its own examples' or tokens' count is not a
+mean over examples, so accumulating its micro-batch means is not the whole-batch step, and the
+comparison fails, as it must (`jdp.inspect.exactness_hints.own_count_hint` names the cause).
 """
 from __future__ import annotations
 
@@ -22,19 +27,57 @@ from jdp.core.weighting import Weighted, is_weighted, ratios, weighted_aux
 
 def one_device_reference(setup, loss_fn, params_or_model, batches: list, accum_steps: int, has_aux: bool, axis: str,
                          device):
-    """The one-device run every jdp run is compared with (`_reference_model` for an nnx model, else
-    `reference_weighted` for a loss that returns `jdp.Weighted`, else `_reference_params`), through
-    `optax.MultiSteps` over the micro-batches when accum_steps > 1: (initial, final, losses per step,
-    aux per step), the trees as {"params": ..., "model_state": ...} on the host."""
-    tx = setup.tx if accum_steps == 1 else optax.MultiSteps(setup.tx, accum_steps).gradient_transformation()
+    """The one-device run every jdp run is compared with: per optimizer step, its whole global batch
+    (`optimizer_batches`) in one step of the inner optimizer (`setup.tx`); with model state, its
+    `accum_steps` · `setup.every_k` micro-batches through `optax.MultiSteps`, as the module docstring
+    says. Returns (initial, final, losses per optimizer step, aux per optimizer step), the trees as
+    {"params": ..., "model_state": ...} on the host."""
+    whole, m = optimizer_batches(batches, setup.every_k), accum_steps * setup.every_k
+    per_micro = has_model_state(setup, params_or_model) and m > 1
+    tx = optax.MultiSteps(setup.tx, m).gradient_transformation() if per_micro else setup.tx
+    m = m if per_micro else 1
     if isinstance(params_or_model, nnx.Module):
         loss = model_loss(setup)
         if is_weighted_model_loss(loss, params_or_model, batches[0]):
-            return _reference_model(loss, setup.tx, params_or_model, batches, accum_steps, device, True)
-        return _reference_model(loss, tx, params_or_model, batches, accum_steps, device)
+            return _reference_model(loss, setup.tx, params_or_model, whole, m, device, True)
+        return _reference_model(loss, tx, params_or_model, whole, m, device)
     if is_weighted_loss(setup, batches[0], axis):
-        return reference_weighted(setup, batches, accum_steps, axis, device)
-    return _reference_params(setup, tx, batches, accum_steps, axis, device)
+        return reference_weighted(setup, whole, m, axis, device)
+    return _reference_params(setup, tx, whole, m, axis, device)
+
+
+def optimizer_batches(batches: list, every_k: int) -> list:
+    """The global batch of each optimizer step: `batches` in groups of `every_k` (an
+    `optax.MultiSteps(inner, every_k)` optimizer updates once per every_k calls), concatenated."""
+    if len(batches) % every_k:
+        raise ValueError(f"the optimizer is optax.MultiSteps, which updates once every {every_k} batches, and "
+                         f"{len(batches)} batches is not a whole number of its steps; pass a multiple of {every_k}.")
+    groups = [batches[i:i + every_k] for i in range(0, len(batches), every_k)]
+    return [g[0] if every_k == 1 else jax.tree.map(lambda *xs: np.concatenate([np.asarray(x) for x in xs]), *g)
+            for g in groups]
+
+
+def multi_steps_inner(optimizer) -> tuple[object, int]:
+    """`(the one-device optimizer, calls per optimizer step)`: an `optax.MultiSteps(inner, k)` is
+    `(inner, k)` (one step of inner on the k calls' batches together is the definition it
+    approximates), anything else `(optimizer, 1)`. A MultiSteps that sums, skips or changes k is refused."""
+    if not isinstance(optimizer, optax.MultiSteps):
+        return optimizer, 1
+    ks = {int(optimizer._every_k_schedule(n)) for n in (0, 1, 2, 1000)}
+    skips = "MultiSteps.__init__" not in getattr(optimizer._should_skip_update_fn, "__qualname__", "")
+    if len(ks) != 1 or not optimizer._use_grad_mean or skips:
+        raise ValueError("optimizer is an optax.MultiSteps with a varying every_k_schedule, use_grad_mean=False or a "
+                         "should_skip_update_fn, which has no one-device step to compare with; pass one with a "
+                         "constant k (or its inner optimizer with accum_steps=k).")
+    return optimizer._opt, ks.pop()
+
+
+def has_model_state(setup, params_or_model) -> bool:
+    """Whether the model has state its steps update (Linen's batch_stats with has_state, an nnx
+    model's `BatchStat`s), which makes its micro-batches part of its definition."""
+    if isinstance(params_or_model, nnx.Module):
+        return bool(jax.tree.leaves(nnx.state(params_or_model, nnx.BatchStat)))
+    return bool(setup.has_state)
 
 
 def _call(setup, params, model_state, batch):
