@@ -1061,6 +1061,37 @@ MUTANTS = [
            "            return x\n",
            "        except IndexError:\n            return x\n",
            ("tests/test_annotations.py::test_init_can_be_traced_for_the_states_shapes",)),
+    # prepare-tokens reads each input once; its encoders (tiktoken checked against the library, the
+    # library otherwise) on 1 or more worker processes; the uint16/uint32 boundary (issues 43, 45).
+    Mutant("token_dtype_65536_ids_in_uint32", "data/tokenizer.py",
+           'return "uint16" if vocab_size <= 1 << 16 else "uint32"',
+           'return "uint16" if vocab_size < 1 << 16 else "uint32"',  # the boundary off by one: files twice the size
+           ("tests/test_prepare_encoders.py::test_65536_ids_fit_uint16_and_65537_need_uint32[65535]",)),
+    Mutant("prepare_dtype_uint16_refuses_65536_ids", "data/prepare.py",
+           'if dtype == "uint16" and tok.vocab_size > 1 << 16:',
+           'if dtype == "uint16" and tok.vocab_size >= 1 << 16:',
+           ("tests/test_prepare_encoders.py::test_65536_ids_fit_uint16_and_65537_need_uint32[65535]",)),
+    Mutant("prepare_encodes_a_second_read_of_the_inputs", "data/prepare.py",
+           "text = lambda: spooled_pieces(files.partial(SPOOL), read_bytes)  # noqa: E731",
+           "text = lambda: (p for path in paths for p in __import__('jdp.data.text_inputs', fromlist=['_'])"
+           ".input_pieces(path, field=field, read_bytes=read_bytes))",  # a file changed since is encoded as it is now
+           ("tests/test_prepare_encoders.py::test_each_input_is_read_once_and_its_sha256_is_of_the_bytes_encoded",)),
+    Mutant("prepare_digest_from_a_second_read", "data/text_inputs.py",
+           '"sha256": h.hexdigest()}',
+           '"sha256": hashlib.sha256(b"".join(_read_blocks(path, read_bytes))).hexdigest()}',  # of the file as it is now
+           ("tests/test_prepare_encoders.py::test_each_input_is_read_once_and_its_sha256_is_of_the_bytes_encoded",)),
+    Mutant("encoder_tiktoken_used_unchecked", "data/encoders.py",
+           "if not np.array_equal(theirs, ours):",
+           "if False:",  # a BPE whose merges are not in id order gets tiktoken's other ids
+           ("tests/test_prepare_encoders.py::test_a_tokenizer_tiktoken_does_not_reproduce_falls_back_to_the_library_and_says_why",)),
+    Mutant("encoder_tiktoken_without_added_tokens", "data/encoders.py",
+           "special = bool(enc.special_tokens_set)",
+           "special = False",  # <|endoftext|> in the text: bytes to tiktoken, one id to the library
+           ("tests/test_prepare_encoders.py::test_tiktoken_the_library_and_1_or_2_workers_give_the_librarys_ids_of_each_split",)),
+    Mutant("encoder_workers_results_out_of_order", "data/encoders.py",
+           "            if len(pending) >= 2 * workers:\n                yield pending.popleft().get()",
+           "            if len(pending) >= 2 * workers:\n                yield pending.pop().get()",
+           ("tests/test_prepare_encoders.py::test_tiktoken_the_library_and_1_or_2_workers_give_the_librarys_ids_of_each_split",)),
 ]
 
 
