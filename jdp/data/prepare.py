@@ -41,6 +41,7 @@ from jdp.text import quoted
 TOKEN_FILES = ("train.bin", "val.bin")
 DTYPES = ("uint16", "uint32")
 CHUNK_CHARS = 1 << 16  # characters per encoded chunk (cut at a pre-token boundary: `text_inputs.chunks`)
+CHECK_CHARS = 1 << 13  # tiktoken is checked against the library on the text's first chunk of this size (up to 2x)
 TASK_CHUNKS = 4  # chunks one worker encodes at a time (at most 2·workers tasks are in flight)
 SPOOL = "text"  # OUTPUT/text.partial: the inputs' text as read once, removed when the run ends
 TRAIN_CONFIG = "stdlib_bpe_gpt"  # the shipped config whose data.path names a prepared folder
@@ -287,7 +288,7 @@ def _prepare_into(files, handles, paths, given, kind, arg, spec, val_fraction, d
         raise ValueError(f"--dtype uint16 holds at most 65,536 ids, and the tokenizer has {tok.vocab_size:,}; "
                          f"use --dtype uint32 (or leave --dtype out).")
     dtype = dtype or dtype_for(tok.vocab_size)
-    encoder_spec, encoder = _encoder(tok, next(chunks(text(), chunk_chars)))
+    encoder_spec, encoder = _encoder(tok, next(chunks(text(), CHECK_CHARS)))
     if note and kind != "bytes":
         note(encoder_line(encoder, workers))
     bar, start = _Progress(total, progress), time.perf_counter()
@@ -330,5 +331,5 @@ def prepare_from(source, out: str, *, val_fraction: float = 0.1, dtype: str | No
     return "\n".join(summary(meta, out))
 
 
-__all__ = ["CHUNK_CHARS", "DTYPES", "REFERENCE", "SPOOL", "TASK_CHUNKS", "TOKEN_FILES", "TRAIN_CONFIG",
+__all__ = ["CHECK_CHARS", "CHUNK_CHARS", "DTYPES", "REFERENCE", "SPOOL", "TASK_CHUNKS", "TOKEN_FILES", "TRAIN_CONFIG",
            "default_workers", "encoder_line", "prepare", "prepare_from", "summary"]
