@@ -1088,6 +1088,10 @@ MUTANTS = [
            "special = bool(enc.special_tokens_set)",
            "special = False",  # <|endoftext|> in the text: bytes to tiktoken, one id to the library
            ("tests/test_prepare_encoders.py::test_tiktoken_the_library_and_1_or_2_workers_give_the_librarys_ids_of_each_split",)),
+    Mutant("prepare_small_text_starts_every_core", "data/prepare.py",
+           "return cores if chars is None else max(1, min(cores, -(-chars // WORKER_CHARS)))",
+           "return cores",  # a 4.7 MB text waits for processes to start: slower than one
+           ("tests/test_prepare_encoders.py::test_workers_default_to_the_cores_but_one_per_16_mi_characters_and_are_at_least_1",)),
     Mutant("encoder_workers_results_out_of_order", "data/encoders.py",
            "            if len(pending) >= 2 * workers:\n                yield pending.popleft().get()",
            "            if len(pending) >= 2 * workers:\n                yield pending.pop().get()",

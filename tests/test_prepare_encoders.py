@@ -55,8 +55,8 @@ def test_tiktoken_the_library_and_1_or_2_workers_give_the_librarys_ids_of_each_s
     # chunk_chars 12: chunks of up to 24 characters, cut before whitespace, or inside the 34-letter word
     # (a cut inside a pre-token: the same for every encoder); read_bytes 5 splits characters between reads
     for name, workers in (("one", 1), ("two", 2)):
-        assert main(["data", "prepare-tokens", str(src), str(tmp_path / name), "--tokenizer", str(tmp_path / "tok.json"),
-                     "--workers", str(workers), "--no-progress"]) == 0
+        assert main(["data", "prepare-tokens", str(src), str(tmp_path / name), "--tokenizer",
+                     str(tmp_path / "tok.json"), "--workers", str(workers), "--no-progress"]) == 0
         said[name] = capsys.readouterr().err
     kw = dict(tokenizer=str(tmp_path / "tok.json"), chunk_chars=12, read_bytes=5)
     P.prepare(str(src), str(tmp_path / "small1"), workers=1, **kw)
@@ -86,7 +86,8 @@ def test_a_tokenizer_tiktoken_does_not_reproduce_falls_back_to_the_library_and_s
              "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
              "vocab": vocab, "merges": [["b", "c"], ["a", "b"]]}
     config = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
-              "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
+              "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                                "use_regex": True},
               "post_processor": None, "decoder": None, "model": model}
     (tmp_path / "order.json").write_text(json.dumps(config))
     words = tokenizers.Tokenizer(tokenizers.models.WordLevel({"[UNK]": 0, "abc": 1}, unk_token="[UNK]"))
@@ -148,7 +149,7 @@ def test_65536_ids_fit_uint16_and_65537_need_uint32(tmp_path, top):
         assert ids(tmp_path / name)[0][:3] == [1, top, 0]
 
 
-def test_workers_must_be_a_positive_whole_number(tmp_path, capsys):
+def test_workers_default_to_the_cores_but_one_per_16_mi_characters_and_are_at_least_1(tmp_path, capsys):
     (tmp_path / "t.txt").write_text("some text " * 10)
     with pytest.raises(SystemExit) as exit:  # argparse's refusal: its usage line and one sentence
         main(["data", "prepare-tokens", str(tmp_path / "t.txt"), str(tmp_path / "out"), "--workers", "0"])
@@ -158,4 +159,9 @@ def test_workers_must_be_a_positive_whole_number(tmp_path, capsys):
     with pytest.raises(ValueError, match=r"^--workers 0 must be a whole number of processes, at least 1\.$"):
         P.prepare(str(tmp_path / "t.txt"), str(tmp_path / "out"), workers=0)
     assert not (tmp_path / "out").exists()
-    assert P.default_workers() >= 1
+    import os
+
+    cores = len(os.sched_getaffinity(0))
+    assert P.default_workers() == P.default_workers(10**12) == cores  # one per core for a large text
+    assert P.default_workers(P.WORKER_CHARS) == 1 and P.default_workers(0) == 1  # a small one: no process to start
+    assert P.default_workers(P.WORKER_CHARS + 1) == min(2, cores)

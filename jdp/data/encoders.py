@@ -122,7 +122,10 @@ def choose(tokenizer_json: str, sample: str) -> tuple[EncoderSpec, dict]:
     Returns (spec, {"engine", "version", "why"}), "why" a phrase saying why that engine runs."""
     config = json.loads(tokenizer_json)
     library = EncoderSpec("tokenizers", tokenizer_json)
-    fallback = lambda why: (library, {"engine": "tokenizers", "version": _version("tokenizers"), "why": why})  # noqa: E731
+
+    def fallback(why: str):
+        return library, {"engine": "tokenizers", "version": _version("tokenizers"), "why": why}
+
     unfit = tiktoken_unfit(config)
     if unfit:
         return fallback(f"tiktoken cannot reproduce this tokenizer: {unfit}")

@@ -11,12 +11,17 @@ tokenizer (`tokenizer.json`, except for bytes) and `meta.json`, which `jdp train
 `--dtype` says uint32.
 
 The INPUTs (`jdp.data.text_inputs`: files, globs, .jsonl records, the texts that ship with
-Python) are read piece by piece, never whole: once to count their characters and hash them, once
-more to train a BPE (bpe:VOCAB, on the training split only), and once to encode, in chunks cut
-where a GPT-2-style pre-tokenizer splits anyway, encoded in parallel batches, written as they
-come. The split is made on characters, as `jdp.data.load_char_corpus` makes it: val.bin holds
-the last `val_fraction` of the characters (rounded), train.bin the rest. With the bytes
-tokenizer the files are the text's UTF-8 bytes, as before meta.json existed.
+Python) are read once, piece by piece, never whole: their bytes are hashed (meta.json's sha256)
+and their text written to OUTPUT/text.partial in the same pass, so the digest is of the very
+bytes encoded, whatever happens to a file afterwards. Everything after reads that copy: the BPE's
+training (bpe:VOCAB, on the training split only) and the encoding, in chunks cut where a
+GPT-2-style pre-tokenizer splits anyway, encoded on `workers` processes (`jdp.data.encoders`:
+tiktoken where it gives the tokenizers library's ids, checked on the first chunk; else the
+library), written in order as they come. The split is made on characters, as
+`jdp.data.load_char_corpus` makes it: val.bin holds the last `val_fraction` of the characters
+(rounded), train.bin the rest. With the bytes tokenizer the files are the text's UTF-8 bytes, as
+before meta.json existed. text.partial is removed when the run ends; it needs as much disk as the
+text.
 
 Nothing in OUTPUT is overwritten and nothing outside it is written: each file is first written
 as NAME.partial, created exclusively and never through a link (an existing NAME.partial, a
@@ -42,6 +47,7 @@ TOKEN_FILES = ("train.bin", "val.bin")
 DTYPES = ("uint16", "uint32")
 CHUNK_CHARS = 1 << 16  # characters per encoded chunk (cut at a pre-token boundary: `text_inputs.chunks`)
 CHECK_CHARS = 1 << 13  # tiktoken is checked against the library on the text's first chunk of this size (up to 2x)
+WORKER_CHARS = 1 << 24  # by default, a worker process for each 16 Mi characters of text, up to the cores
 TASK_CHUNKS = 4  # chunks one worker encodes at a time (at most 2·workers tasks are in flight)
 SPOOL = "text"  # OUTPUT/text.partial: the inputs' text as read once, removed when the run ends
 TRAIN_CONFIG = "stdlib_bpe_gpt"  # the shipped config whose data.path names a prepared folder
@@ -194,20 +200,20 @@ class _Progress:
         self.bar.update(self.task, advance=chars, rate=f"{rate:,.0f} tokens/s")
 
 
-def default_workers() -> int:
-    """The CPU cores this process may run on (`os.sched_getaffinity`; the machine's count where there is none)."""
+def default_workers(chars: int | None = None) -> int:
+    """The worker processes that encode `chars` characters by default: the CPU cores this process may
+    run on (`os.sched_getaffinity`; the machine's count where there is none), but no more than one
+    per WORKER_CHARS characters, since a process takes a fraction of a second to start."""
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    return cores if chars is None else max(1, min(cores, -(-chars // WORKER_CHARS)))
 
 
-def _check_workers(workers) -> int:
-    if workers is None:
-        return default_workers()
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+def _check_workers(workers) -> None:
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
         raise ValueError(f"--workers {workers!r} must be a whole number of processes, at least 1.")
-    return workers
 
 
 def encoder_line(encoder: dict, workers: int) -> str:
@@ -241,7 +247,7 @@ def prepare(inputs, out: str, *, tokenizer: str = "bytes", val_fraction: float =
             field: str = "text", workers: int | None = None, chunk_chars: int = CHUNK_CHARS,
             read_bytes: int = READ_BYTES, progress: bool = False, log=None, note=None) -> dict:
     """Tokenize the INPUTs (a str or a list) into the folder `out` (see the module's docstring) on
-    `workers` processes (default: the cores available); returns the metadata written to
+    `workers` processes (default: `default_workers`); returns the metadata written to
     out/meta.json, plus "seconds" {"read", "train_tokenizer", "encode"} and "workers" (not saved).
 
     `log(line)` is told what happens as it happens (the BPE's training), `note(line)` which encoder
@@ -252,7 +258,7 @@ def prepare(inputs, out: str, *, tokenizer: str = "bytes", val_fraction: float =
     given = [inputs] if isinstance(inputs, str) else list(inputs)
     paths = expand_inputs(given)
     _check_options(val_fraction, dtype)
-    workers = _check_workers(workers)
+    _check_workers(workers)
     kind, arg = parse_spec(tokenizer)
     names = [*TOKEN_FILES, *([TOKENIZER_FILE] if kind != "bytes" else []), META]
     files = _Files(out, names)
@@ -261,8 +267,8 @@ def prepare(inputs, out: str, *, tokenizer: str = "bytes", val_fraction: float =
     try:
         for name in [*names, SPOOL]:  # claimed before the long work
             handles[name] = files.open(name)
-        meta, seconds = _prepare_into(files, handles, paths, given, kind, arg, tokenizer, val_fraction, dtype, field,
-                                      workers, chunk_chars, read_bytes, progress, log, note)
+        meta, seconds, workers = _prepare_into(files, handles, paths, given, kind, arg, tokenizer, val_fraction,
+                                               dtype, field, workers, chunk_chars, read_bytes, progress, log, note)
         files.publish()
     except BaseException:
         for h in handles.values():
@@ -273,14 +279,15 @@ def prepare(inputs, out: str, *, tokenizer: str = "bytes", val_fraction: float =
 
 
 def _prepare_into(files, handles, paths, given, kind, arg, spec, val_fraction, dtype, field, workers, chunk_chars,
-                  read_bytes, progress, log, note) -> tuple[dict, dict]:
+                  read_bytes, progress, log, note) -> tuple[dict, dict, int]:
     """`prepare`'s work once its files are claimed: read the inputs once into the spool, split,
-    tokenizer, encode, meta.json; returns (meta, seconds)."""
+    tokenizer, encode, meta.json; returns (meta, seconds, the worker processes that encoded)."""
     start = time.perf_counter()
     with handles.pop(SPOOL) as f:
         total, digests = spool(paths, f, field=field, read_bytes=read_bytes)
     seconds = {"read": time.perf_counter() - start}
     n_train = _split_sizes(given, total, val_fraction)
+    workers = workers or default_workers(total)
     text = lambda: spooled_pieces(files.partial(SPOOL), read_bytes)  # noqa: E731
     tok, seconds["train_tokenizer"] = _tokenizer(kind, arg, split_pieces(text(), n_train)[0], n_train,
                                                chunk_chars, log)
@@ -304,7 +311,7 @@ def _prepare_into(files, handles, paths, given, kind, arg, spec, val_fraction, d
             "encoder": encoder, "splits": splits, "inputs": digests, "val_fraction": val_fraction, "field": field}
     with handles.pop(META) as f:
         f.write((json.dumps(meta, indent=1) + "\n").encode("utf-8"))
-    return meta, seconds
+    return meta, seconds, workers
 
 
 def summary(meta: dict, out: str) -> list[str]:
@@ -332,4 +339,4 @@ def prepare_from(source, out: str, *, val_fraction: float = 0.1, dtype: str | No
 
 
 __all__ = ["CHECK_CHARS", "CHUNK_CHARS", "DTYPES", "REFERENCE", "SPOOL", "TASK_CHUNKS", "TOKEN_FILES", "TRAIN_CONFIG",
-           "default_workers", "encoder_line", "prepare", "prepare_from", "summary"]
+           "WORKER_CHARS", "default_workers", "encoder_line", "prepare", "prepare_from", "summary"]

@@ -1,4 +1,4 @@
-"""The text of `jdp data prepare-tokens`' INPUTs, read piece by piece, never whole.
+"""The text of `jdp data prepare-tokens`' INPUTs, read once, piece by piece, never whole.
 
 An INPUT is a UTF-8 text file; a `.jsonl` file (one JSON object a line) whose `--field` (default
 "text") of each record is taken, each followed by a newline; a glob pattern (`'corpus/*.txt'`, its
@@ -8,6 +8,11 @@ Reference's topics (`pydoc_data.topics`, the text `jdp.data.load_char_corpus` re
 (`sysconfig.get_paths()["stdlib"]`), in sorted order. A file of one of those two names wins.
 The text is the INPUTs' texts one after another, as `cat` would join them. Line ends are read
 as Python's text mode reads them: "\\r\\n" and "\\r" become "\\n".
+
+`spool` reads each INPUT once (every file through `_read_blocks`), hashing the bytes it reads and
+writing their text to one UTF-8 file, which the later passes read (`spooled_pieces`): an INPUT
+replaced or still growing while it is read is hashed and encoded as it was read, never as two
+different texts.
 """
 from __future__ import annotations
 

@@ -40,8 +40,8 @@ def add_data_parser(sub) -> None:
     tokens.add_argument("--val-fraction", type=float, default=0.1, help="the held-out share of characters (0.1)")
     tokens.add_argument("--field", default="text", help="the field of each .jsonl record that holds its text (text)")
     tokens.add_argument("--workers", type=_number(1, None, "at least 1", integer=True), metavar="N",
-                        help="processes that encode (default: the CPU cores this process may use); the ids are the "
-                        "same for any N")
+                        help="processes that encode (default: the CPU cores this process may use, but no more than "
+                        "one per 16 Mi characters of text); the ids are the same for any N")
     tokens.add_argument("--no-progress", action="store_true", help="no progress bar (it shows on a terminal only)")
 
 
