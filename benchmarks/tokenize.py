@@ -1,7 +1,7 @@
 """Tokenizer throughput and memory: `jdp data prepare-tokens` against tiktoken and the tokenizers library
 on the same BPE and text, and its peak memory against the input's size.
 
-    python -m benchmarks.tokenize                          # python-stdlib (4.7 MB), bpe:4096, 3 rounds; 0.1-0.8 GB
+    python -m benchmarks.tokenize                          # python-stdlib (4.7 MB), bpe:4096, 3 rounds; 0.1-0.8 GB, 1 and 2 workers
     python -m benchmarks.tokenize --sizes 0.5,1,2,4        # memory at these sizes in GB (check df -h /tmp first)
     python -m benchmarks.tokenize --sizes '' --rounds 5    # throughput only
 
@@ -25,7 +25,7 @@ median of the rounds; the machine's load average is reported.
 
 Memory. For each size, a text of that many bytes (the standard library's files repeated) is
 written to a temporary folder in /tmp, `jdp data prepare-tokens` encodes it with that BPE in a
-fresh process (`--memory-workers`, 2 by default), which samples its own and its workers' resident
+fresh process (on each of `--memory-workers`, 1 and 2 by default), which samples its own and its workers' resident
 memory every 50 ms (/proc/PID/status) and reports the peak of their sum; then the folder is
 deleted. Peak memory that stays flat as the input grows is what "streams" means.
 """
@@ -224,18 +224,20 @@ def memory(a, tokenizer: str) -> list[str]:
         with tempfile.TemporaryDirectory(prefix="jdp-tokenize-mem-", dir="/tmp") as tmp:
             text = os.path.join(tmp, "corpus.txt")
             write_text(text, int(gb * 1e9), stdlib_files())
-            out = os.path.join(tmp, "out")
-            r = subprocess.run([sys.executable, "-m", "benchmarks.tokenize", "--measure", text, out, "--tokenizer",
-                                tokenizer, "--workers", str(a.memory_workers)], capture_output=True, text=True)
-            if r.returncode:
-                raise SystemExit(f"prepare-tokens on {gb} GB failed: {r.stderr.strip()}")
-            m = json.loads(r.stdout.strip().splitlines()[-1])
-            meta = json.load(open(os.path.join(out, "meta.json")))
-            n = sum(s["tokens"] for s in meta["splits"].values())
-            rows.append(f"| {os.path.getsize(text) / 1e9:.2f} GB | {a.memory_workers} | {n:,} | {m['seconds']:.0f} | "
-                        f"{n / m['seconds']:,.0f} | {m['rss'] / 2**20:,.0f} MiB | {m['anon'] / 2**20:,.0f} MiB | "
-                        f"{m['hwm'] / 2**20:,.0f} MiB |")
-            print(rows[-1], flush=True)
+            for workers in [int(w) for w in a.memory_workers.split(",")]:
+                out = os.path.join(tmp, f"out{workers}")
+                r = subprocess.run([sys.executable, "-m", "benchmarks.tokenize", "--measure", text, out, "--tokenizer",
+                                    tokenizer, "--workers", str(workers)], capture_output=True, text=True)
+                if r.returncode:
+                    raise SystemExit(f"prepare-tokens on {gb} GB failed: {r.stderr.strip()}")
+                m = json.loads(r.stdout.strip().splitlines()[-1])
+                meta = json.load(open(os.path.join(out, "meta.json")))
+                shutil.rmtree(out)
+                n = sum(s["tokens"] for s in meta["splits"].values())
+                rows.append(f"| {os.path.getsize(text) / 1e9:.2f} GB | {workers} | {n:,} | {m['seconds']:.0f} | "
+                            f"{n / m['seconds']:,.0f} | {m['rss'] / 2**20:,.0f} MiB | {m['anon'] / 2**20:,.0f} MiB | "
+                            f"{m['hwm'] / 2**20:,.0f} MiB |")
+                print(rows[-1], flush=True)
     return rows
 
 
@@ -244,7 +246,7 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--sizes", default="0.1,0.2,0.4,0.8", help="input sizes in GB for the memory table ('' : none)")
-    ap.add_argument("--memory-workers", type=int, default=2)
+    ap.add_argument("--memory-workers", default="1,2", help="worker processes for the memory table, e.g. 1,2")
     ap.add_argument("--measure", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=os.path.join("benchmarks", "results", "tokenize.md"))
     a = ap.parse_args(argv)
@@ -260,7 +262,8 @@ def main(argv=None) -> int:
               f"{time.strftime('%Y-%m-%d', time.gmtime())}.\n\n" + "\n".join(rows[2:]) + "\n")
     if mem:
         report += ("\nPeak resident memory of `jdp data prepare-tokens FILE OUT --tokenizer tokenizer.json` against "
-                   f"the input's size (`--sizes {a.sizes}`, the standard library's text repeated):\n\n"
+                   f"the input's size (`--sizes {a.sizes} --memory-workers {a.memory_workers}`, the standard library's "
+                   "text repeated):\n\n"
                    + "\n".join(mem) + "\n")
     print(report)
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
