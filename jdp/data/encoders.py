@@ -20,6 +20,7 @@ does not grow with the input, and yielding the ids in the order of the tasks.
 from __future__ import annotations
 
 import collections
+import functools
 import importlib.metadata
 import json
 import multiprocessing
@@ -92,6 +93,7 @@ def tiktoken_encoding(config: dict):
     return tiktoken.Encoding("jdp_bpe", pat_str=GPT2_PATTERN, mergeable_ranks=ranks, special_tokens=special)
 
 
+@functools.lru_cache(maxsize=2)  # `choose` builds the encoder that then runs in this process
 def build(spec: EncoderSpec):
     """The function `texts -> ids` of `spec`: a list of str -> (total,) int64 ids, one text after
     another, encoded on this thread alone, no special tokens added."""
@@ -99,8 +101,8 @@ def build(spec: EncoderSpec):
         return lambda texts: np.frombuffer("".join(texts).encode("utf-8"), np.uint8).astype(np.int64)
     if spec.engine == "tiktoken":
         enc = tiktoken_encoding(json.loads(spec.tokenizer_json))
-        special = bool(enc.special_tokens_set)
-        one = (lambda t: enc.encode(t, allowed_special="all")) if special else enc.encode_ordinary
+        special = "all" if enc.special_tokens_set else set()  # added tokens in the text: matched, as by the library
+        one = lambda t: enc.encode_to_numpy(t, allowed_special=special)  # noqa: E731  (no list of Python ints)
     else:
         import tokenizers
 
