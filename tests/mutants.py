@@ -1085,8 +1085,8 @@ MUTANTS = [
            "if False:",  # a BPE whose merges are not in id order gets tiktoken's other ids
            ("tests/test_prepare_encoders.py::test_a_tokenizer_tiktoken_does_not_reproduce_falls_back_to_the_library_and_says_why",)),
     Mutant("encoder_tiktoken_without_added_tokens", "data/encoders.py",
-           'special = "all" if enc.special_tokens_set else set()',
-           "special = set()",  # <|endoftext|> in the text: refused by tiktoken, one id to the library
+           "special = bool(enc.special_tokens_set)",
+           "special = False",  # <|endoftext|> in the text: bytes to tiktoken, one id to the library
            ("tests/test_prepare_encoders.py::test_tiktoken_the_library_and_1_or_2_workers_give_the_librarys_ids_of_each_split",)),
     Mutant("prepare_small_text_starts_every_core", "data/prepare.py",
            "return cores if chars is None else max(1, min(cores, -(-chars // WORKER_CHARS)))",
