@@ -1080,6 +1080,10 @@ MUTANTS = [
            '"sha256": h.hexdigest()}',
            '"sha256": hashlib.sha256(b"".join(_read_blocks(path, read_bytes))).hexdigest()}',  # of the file as it is now
            ("tests/test_prepare_encoders.py::test_each_input_is_read_once_and_its_sha256_is_of_the_bytes_encoded",)),
+    Mutant("prepare_leaves_its_spool", "data/prepare.py",
+           "    files.drop(SPOOL)\n",
+           "",  # OUTPUT/text.partial, a copy of the whole text, stays behind
+           ("tests/test_prepare_encoders.py::test_each_input_is_read_once_and_its_sha256_is_of_the_bytes_encoded",)),
     Mutant("encoder_tiktoken_used_unchecked", "data/encoders.py",
            "if not np.array_equal(theirs, ours):",
            "if False:",  # a BPE whose merges are not in id order gets tiktoken's other ids
