@@ -1084,6 +1084,10 @@ MUTANTS = [
            "    files.drop(SPOOL)\n",
            "",  # OUTPUT/text.partial, a copy of the whole text, stays behind
            ("tests/test_prepare_encoders.py::test_each_input_is_read_once_and_its_sha256_is_of_the_bytes_encoded",)),
+    Mutant("prepare_ctrl_c_leaves_its_files", "data/prepare.py",
+           "restore = _raise_on_ctrl_c()",
+           "restore = lambda: None",  # jdp's command exits at once on Ctrl-C: .partial files and workers left
+           ("tests/test_prepare_encoders.py::test_ctrl_c_removes_what_the_run_wrote_and_gives_the_handler_back",)),
     Mutant("encoder_tiktoken_used_unchecked", "data/encoders.py",
            "if not np.array_equal(theirs, ours):",
            "if False:",  # a BPE whose merges are not in id order gets tiktoken's other ids

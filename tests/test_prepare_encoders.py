@@ -165,3 +165,22 @@ def test_workers_default_to_the_cores_but_one_per_16_mi_characters_and_are_at_le
     assert P.default_workers() == P.default_workers(10**12) == cores  # one per core for a large text
     assert P.default_workers(P.WORKER_CHARS) == 1 and P.default_workers(0) == 1  # a small one: no process to start
     assert P.default_workers(P.WORKER_CHARS + 1) == min(2, cores)
+
+
+def test_ctrl_c_removes_what_the_run_wrote_and_gives_the_handler_back(tmp_path):
+    import os
+    import signal
+
+    (tmp_path / "t.txt").write_text(AWKWARD)
+    bpe_json(tmp_path / "tok.json")
+    seen = []
+    theirs = signal.signal(signal.SIGINT, lambda *a: seen.append("theirs"))  # jdp's command exits at once here
+    try:
+        with pytest.raises(KeyboardInterrupt):  # Ctrl-C while the files are being written
+            P.prepare(str(tmp_path / "t.txt"), str(tmp_path / "out"), tokenizer=str(tmp_path / "tok.json"), workers=1,
+                      note=lambda line: os.kill(os.getpid(), signal.SIGINT))
+        assert seen == [] and not (tmp_path / "out").exists()  # no .partial file, text.partial included, is left
+        signal.raise_signal(signal.SIGINT)
+        assert seen == ["theirs"]  # the caller's handler is back
+    finally:
+        signal.signal(signal.SIGINT, theirs)

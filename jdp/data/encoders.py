@@ -24,6 +24,7 @@ import functools
 import importlib.metadata
 import json
 import multiprocessing
+import signal
 from dataclasses import dataclass
 
 import numpy as np
@@ -154,6 +155,7 @@ _worker_encode = None  # the encoder of a worker process, built once by `_start_
 
 def _start_worker(spec: EncoderSpec) -> None:
     global _worker_encode
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle (it ends the pool)
     _worker_encode = build(spec)
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import signal
 import time
 
 import numpy as np
@@ -264,6 +265,7 @@ def prepare(inputs, out: str, *, tokenizer: str = "bytes", val_fraction: float =
     files = _Files(out, names)
     files.check()
     handles = {}
+    restore = _raise_on_ctrl_c()
     try:
         for name in [*names, SPOOL]:  # claimed before the long work
             handles[name] = files.open(name)
@@ -275,7 +277,20 @@ def prepare(inputs, out: str, *, tokenizer: str = "bytes", val_fraction: float =
             h.close()
         files.discard()
         raise
+    finally:
+        restore()
     return {**meta, "seconds": seconds, "workers": workers}
+
+
+def _raise_on_ctrl_c():
+    """Make Ctrl-C raise KeyboardInterrupt in this (main) thread, so that a stopped run removes its
+    .partial files and ends its worker processes (jdp's command otherwise exits at once on it);
+    returns the function that puts the handler back."""
+    try:
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    except ValueError:  # not the main thread: signals are left alone
+        return lambda: None
+    return lambda: signal.signal(signal.SIGINT, previous)
 
 
 def _prepare_into(files, handles, paths, given, kind, arg, spec, val_fraction, dtype, field, workers, chunk_chars,
