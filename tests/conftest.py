@@ -216,8 +216,9 @@ QUICK = (
     "test_sample.py::test_language_model_units_are_exp_and_log2_of_the_per_token_loss",
     "test_sample.py::test_plot_labels_the_loss_per_token_for_a_language_model_and_per_example_otherwise",
     "test_sample.py::test_bytes_per_token_of_the_char_corpus_and_of_token_folders",
-    # prepare-tokens: tokenizers, meta.json, refusals (no compile; tiny tokenizers).
-    "test_prepare_tokens.py",
+    # prepare-tokens: tokenizers, meta.json, refusals, its encoders on 1 and 2 processes, each input read once
+    # (no compile; tiny tokenizers).
+    "test_prepare_tokens.py", "test_prepare_encoders.py",
     # The first-call audit: an own-count loss refused; a mean with synchronised statistics and dropout
     # passes; a weighted loss is not audited.
     "test_audit.py::test_a_loss_divided_by_each_devices_own_count_is_refused_in_one_sentence[shard_map]",

@@ -1128,6 +1128,49 @@ MUTANTS = [
            "    if backend == \"jit\":\n        return loss_fn",
            "    if True:\n        return loss_fn",  # the raw JAX/Flax with_sharding_constraint error
            ("tests/test_exactness_definition.py::test_a_sharding_constraint_in_the_model_is_refused_under_shard_map",)),
+    # prepare-tokens reads each input once; its encoders (tiktoken checked against the library, the
+    # library otherwise) on 1 or more worker processes; the uint16/uint32 boundary (issues 43, 45).
+    Mutant("token_dtype_65536_ids_in_uint32", "data/tokenizer.py",
+           'return "uint16" if vocab_size <= 1 << 16 else "uint32"',
+           'return "uint16" if vocab_size < 1 << 16 else "uint32"',  # the boundary off by one: files twice the size
+           ("tests/test_prepare_encoders.py::test_65536_ids_fit_uint16_and_65537_need_uint32[65535]",)),
+    Mutant("prepare_dtype_uint16_refuses_65536_ids", "data/prepare.py",
+           'if dtype == "uint16" and tok.vocab_size > 1 << 16:',
+           'if dtype == "uint16" and tok.vocab_size >= 1 << 16:',
+           ("tests/test_prepare_encoders.py::test_65536_ids_fit_uint16_and_65537_need_uint32[65535]",)),
+    Mutant("prepare_encodes_a_second_read_of_the_inputs", "data/prepare.py",
+           "text = lambda: spooled_pieces(files.partial(SPOOL), read_bytes)  # noqa: E731",
+           "text = lambda: (p for path in paths for p in __import__('jdp.data.text_inputs', fromlist=['_'])"
+           ".input_pieces(path, field=field, read_bytes=read_bytes))",  # a file changed since is encoded as it is now
+           ("tests/test_prepare_encoders.py::test_each_input_is_read_once_and_its_sha256_is_of_the_bytes_encoded",)),
+    Mutant("prepare_digest_from_a_second_read", "data/text_inputs.py",
+           '"sha256": h.hexdigest()}',
+           '"sha256": hashlib.sha256(b"".join(_read_blocks(path, read_bytes))).hexdigest()}',  # of the file as it is now
+           ("tests/test_prepare_encoders.py::test_each_input_is_read_once_and_its_sha256_is_of_the_bytes_encoded",)),
+    Mutant("prepare_leaves_its_spool", "data/prepare.py",
+           "    files.drop(SPOOL)\n",
+           "",  # OUTPUT/text.partial, a copy of the whole text, stays behind
+           ("tests/test_prepare_encoders.py::test_each_input_is_read_once_and_its_sha256_is_of_the_bytes_encoded",)),
+    Mutant("prepare_ctrl_c_leaves_its_files", "data/prepare.py",
+           "restore = _raise_on_ctrl_c()",
+           "restore = lambda: None",  # jdp's command exits at once on Ctrl-C: .partial files and workers left
+           ("tests/test_prepare_encoders.py::test_ctrl_c_removes_what_the_run_wrote_and_gives_the_handler_back",)),
+    Mutant("encoder_tiktoken_used_unchecked", "data/encoders.py",
+           "if not np.array_equal(theirs, ours):",
+           "if False:",  # a BPE whose merges are not in id order gets tiktoken's other ids
+           ("tests/test_prepare_encoders.py::test_a_tokenizer_tiktoken_does_not_reproduce_falls_back_to_the_library_and_says_why",)),
+    Mutant("encoder_tiktoken_without_added_tokens", "data/encoders.py",
+           "special = bool(enc.special_tokens_set)",
+           "special = False",  # <|endoftext|> in the text: bytes to tiktoken, one id to the library
+           ("tests/test_prepare_encoders.py::test_tiktoken_the_library_and_1_or_2_workers_give_the_librarys_ids_of_each_split",)),
+    Mutant("prepare_small_text_starts_every_core", "data/prepare.py",
+           "return cores if chars is None else max(1, min(cores, -(-chars // WORKER_CHARS)))",
+           "return cores",  # a 4.7 MB text waits for processes to start: slower than one
+           ("tests/test_prepare_encoders.py::test_workers_default_to_the_cores_but_one_per_16_mi_characters_and_are_at_least_1",)),
+    Mutant("encoder_workers_results_out_of_order", "data/encoders.py",
+           "            if len(pending) >= 2 * workers:\n                yield pending.popleft().get()",
+           "            if len(pending) >= 2 * workers:\n                yield pending.pop().get()",
+           ("tests/test_prepare_encoders.py::test_tiktoken_the_library_and_1_or_2_workers_give_the_librarys_ids_of_each_split",)),
 ]
 
 def occurrences(mutant: Mutant, jdp_dir: str) -> int:

@@ -11,12 +11,17 @@ tokenizer (`tokenizer.json`, except for bytes) and `meta.json`, which `jdp train
 `--dtype` says uint32.
 
 The INPUTs (`jdp.data.text_inputs`: files, globs, .jsonl records, the texts that ship with
-Python) are read piece by piece, never whole: once to count their characters and hash them, once
-more to train a BPE (bpe:VOCAB, on the training split only), and once to encode, in chunks cut
-where a GPT-2-style pre-tokenizer splits anyway, encoded in parallel batches, written as they
-come. The split is made on characters, as `jdp.data.load_char_corpus` makes it: val.bin holds
-the last `val_fraction` of the characters (rounded), train.bin the rest. With the bytes
-tokenizer the files are the text's UTF-8 bytes, as before meta.json existed.
+Python) are read once, piece by piece, never whole: their bytes are hashed (meta.json's sha256)
+and their text written to OUTPUT/text.partial in the same pass, so the digest is of the very
+bytes encoded, whatever happens to a file afterwards. Everything after reads that copy: the BPE's
+training (bpe:VOCAB, on the training split only) and the encoding, in chunks cut where a
+GPT-2-style pre-tokenizer splits anyway, encoded on `workers` processes (`jdp.data.encoders`:
+tiktoken where it gives the tokenizers library's ids, checked on the first chunk; else the
+library), written in order as they come. The split is made on characters, as
+`jdp.data.load_char_corpus` makes it: val.bin holds the last `val_fraction` of the characters
+(rounded), train.bin the rest. With the bytes tokenizer the files are the text's UTF-8 bytes, as
+before meta.json existed. text.partial is removed when the run ends; it needs as much disk as the
+text.
 
 Nothing in OUTPUT is overwritten and nothing outside it is written: each file is first written
 as NAME.partial, created exclusively and never through a link (an existing NAME.partial, a
@@ -25,20 +30,27 @@ run removes its own .partial files. meta.json comes last: a folder with it is co
 """
 from __future__ import annotations
 
+import collections
 import json
 import os
+import signal
 import time
 
 import numpy as np
 
-from jdp.data.text_inputs import READ_BYTES, REFERENCE, chunks, expand_inputs, survey, text_range
+from jdp.data.encoders import EncoderSpec, choose, encode_stream
+from jdp.data.text_inputs import (READ_BYTES, REFERENCE, chunks, expand_inputs, split_pieces, spool,
+                                  spooled_pieces)
 from jdp.data.tokenizer import META, TOKENIZER_FILE, Tokenizer, dtype_for, parse_spec, train_bpe
 from jdp.text import quoted
 
 TOKEN_FILES = ("train.bin", "val.bin")
 DTYPES = ("uint16", "uint32")
 CHUNK_CHARS = 1 << 16  # characters per encoded chunk (cut at a pre-token boundary: `text_inputs.chunks`)
-BATCH_CHUNKS = 64  # chunks encoded together (in parallel) and written at once
+CHECK_CHARS = 1 << 13  # tiktoken is checked against the library on the text's first chunk of this size (up to 2x)
+WORKER_CHARS = 1 << 24  # by default, a worker process for each 16 Mi characters of text, up to the cores
+TASK_CHUNKS = 4  # chunks one worker encodes at a time (at most 2·workers tasks are in flight)
+SPOOL = "text"  # OUTPUT/text.partial: the inputs' text as read once, removed when the run ends
 TRAIN_CONFIG = "stdlib_bpe_gpt"  # the shipped config whose data.path names a prepared folder
 
 
@@ -79,6 +91,15 @@ class _Files:
                              f"writing there now); delete it or choose another OUTPUT folder.") from None
         self.made.append(path)
         return os.fdopen(fd, "wb")
+
+    def partial(self, name: str) -> str:
+        """The path of this run's NAME.partial."""
+        return os.path.join(self.out, name + ".partial")
+
+    def drop(self, name: str) -> None:
+        """Remove this run's NAME.partial (a scratch file, never published)."""
+        os.unlink(self.partial(name))
+        self.made.remove(self.partial(name))
 
     def publish(self) -> None:
         """Link each NAME.partial to NAME (which must not exist) and remove the .partial; meta.json last."""
@@ -126,29 +147,38 @@ def _split_sizes(inputs: list[str], total: int, val_fraction: float) -> int:
     return n_train
 
 
-def _encode(tokenizer: Tokenizer, pieces, f, dtype: str, chunk_chars: int, progress) -> tuple[int, int, int]:
-    """Encode the text `pieces` into the open file `f` batch by batch; (tokens, bytes, characters) written."""
+def _tasks(splits, chunk_chars: int, said: collections.deque):
+    """Lists of at most TASK_CHUNKS chunks of each split's text in turn; for each, (split, characters,
+    UTF-8 bytes) is appended to `said` as it is handed out."""
+    for split, pieces in enumerate(splits):
+        batch, nbytes, chars = [], 0, 0
+        for chunk in chunks(pieces, chunk_chars):
+            batch.append(chunk)
+            nbytes += len(chunk.encode("utf-8"))
+            chars += len(chunk)
+            if len(batch) == TASK_CHUNKS:
+                said.append((split, chars, nbytes))
+                yield batch
+                batch, nbytes, chars = [], 0, 0
+        if batch:
+            said.append((split, chars, nbytes))
+            yield batch
+
+
+def _encode(spec: EncoderSpec, splits, sinks, dtype: str, chunk_chars: int, workers: int, progress) -> dict:
+    """Encode the texts `splits` (iterables of str, read in turn) into the open files `sinks`, one
+    per split, on `workers` processes: {"train"|"val": {"tokens", "bytes", "characters"}}."""
     out_dtype = np.dtype(dtype).newbyteorder("<")
-    tokens = nbytes = chars = 0
-    batch: list[str] = []
-
-    def flush():
-        nonlocal tokens
-        ids = tokenizer.encode_batch(batch, dtype)
-        f.write(ids.astype(out_dtype, copy=False).tobytes())
-        tokens += len(ids)
-        progress(sum(map(len, batch)), len(ids))
-        batch.clear()
-
-    for chunk in chunks(pieces, chunk_chars):
-        batch.append(chunk)
-        nbytes += len(chunk.encode("utf-8"))
-        chars += len(chunk)
-        if len(batch) == BATCH_CHUNKS:
-            flush()
-    if batch:
-        flush()
-    return tokens, nbytes, chars
+    said: collections.deque = collections.deque()
+    counts = [{"tokens": 0, "bytes": 0, "characters": 0} for _ in sinks]
+    for ids in encode_stream(spec, _tasks(splits, chunk_chars, said), workers, dtype):
+        split, chars, nbytes = said.popleft()  # the results come in the order the tasks went out
+        sinks[split].write(ids.astype(out_dtype, copy=False).tobytes())
+        counts[split]["tokens"] += len(ids)
+        counts[split]["bytes"] += nbytes
+        counts[split]["characters"] += chars
+        progress(chars, len(ids))
+    return dict(zip((n[:-4] for n in TOKEN_FILES), counts))
 
 
 class _Progress:
@@ -171,66 +201,132 @@ class _Progress:
         self.bar.update(self.task, advance=chars, rate=f"{rate:,.0f} tokens/s")
 
 
-def prepare(inputs, out: str, *, tokenizer: str = "bytes", val_fraction: float = 0.1, dtype: str | None = None,
-            field: str = "text", chunk_chars: int = CHUNK_CHARS, read_bytes: int = READ_BYTES,
-            progress: bool = False, log=None) -> dict:
-    """Tokenize the INPUTs (a str or a list) into the folder `out` (see the module's docstring); returns the
-    metadata written to out/meta.json, plus "seconds" {"train_tokenizer", "encode"} (not saved).
+def default_workers(chars: int | None = None) -> int:
+    """The worker processes that encode `chars` characters by default: the CPU cores this process may
+    run on (`os.sched_getaffinity`; the machine's count where there is none), but no more than one
+    per WORKER_CHARS characters, since a process takes a fraction of a second to start."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return cores if chars is None else max(1, min(cores, -(-chars // WORKER_CHARS)))
 
-    `log(line)` is told what happens as it happens (the BPE's training). Raises ValueError in one
-    sentence for a bad option, input or tokenizer, an input too short to split, or a file of this
-    run's names already in `out`; nothing in `out` is then left by this run.
+
+def _check_workers(workers) -> None:
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+        raise ValueError(f"--workers {workers!r} must be a whole number of processes, at least 1.")
+
+
+def encoder_line(encoder: dict, workers: int) -> str:
+    """The line prepare-tokens says (on stderr) about the encoder that runs, from meta.json's "encoder"."""
+    library = "tiktoken" if encoder["engine"] == "tiktoken" else "the tokenizers library"
+    return (f"encoding with {library} {encoder['version']} on {workers} worker process{'es' * (workers != 1)}: "
+            f"{encoder['why']}")
+
+
+def _encoder(tok: Tokenizer, first_chunk: str) -> tuple[EncoderSpec, dict]:
+    """The encoder of `tok` and meta.json's record of it (`jdp.data.encoders.choose`)."""
+    if tok.kind == "bytes":
+        return EncoderSpec("bytes"), {"engine": "bytes", "version": None, "why": "one id per UTF-8 byte"}
+    return choose(tok.to_json(), first_chunk)
+
+
+def _tokenizer(kind: str, arg, train_text, n_train: int, chunk_chars: int, log) -> tuple[Tokenizer, float]:
+    """The run's tokenizer (for kind bpe: trained on `train_text`, the n_train characters of the
+    training split as pieces of str) and the seconds its training took."""
+    if kind != "bpe":
+        return (Tokenizer("bytes") if kind == "bytes" else Tokenizer.from_file(arg)), 0.0
+    start = time.perf_counter()
+    tok = train_bpe(chunks(train_text, chunk_chars), arg)
+    seconds = time.perf_counter() - start
+    if log:
+        log(f"trained a byte-level BPE of {tok.vocab_size:,} ids on {n_train:,} characters in {seconds:.1f} s")
+    return tok, seconds
+
+
+def prepare(inputs, out: str, *, tokenizer: str = "bytes", val_fraction: float = 0.1, dtype: str | None = None,
+            field: str = "text", workers: int | None = None, chunk_chars: int = CHUNK_CHARS,
+            read_bytes: int = READ_BYTES, progress: bool = False, log=None, note=None) -> dict:
+    """Tokenize the INPUTs (a str or a list) into the folder `out` (see the module's docstring) on
+    `workers` processes (default: `default_workers`); returns the metadata written to
+    out/meta.json, plus "seconds" {"read", "train_tokenizer", "encode"} and "workers" (not saved).
+
+    `log(line)` is told what happens as it happens (the BPE's training), `note(line)` which encoder
+    runs and why (`encoder_line`). Raises ValueError in one sentence for a bad option, input or
+    tokenizer, an input too short to split, or a file of this run's names already in `out`;
+    nothing in `out` is then left by this run.
     """
     given = [inputs] if isinstance(inputs, str) else list(inputs)
     paths = expand_inputs(given)
     _check_options(val_fraction, dtype)
+    _check_workers(workers)
     kind, arg = parse_spec(tokenizer)
     names = [*TOKEN_FILES, *([TOKENIZER_FILE] if kind != "bytes" else []), META]
     files = _Files(out, names)
     files.check()
-    total, digests = survey(paths, field=field, read_bytes=read_bytes)
-    n_train = _split_sizes(given, total, val_fraction)
-    text = lambda lo, hi: text_range(paths, lo, hi, field=field, read_bytes=read_bytes)  # noqa: E731
-    seconds, handles = {"train_tokenizer": 0.0}, {}
+    handles = {}
+    restore = _raise_on_ctrl_c()
     try:
-        for name in names:  # claimed before the long work
+        for name in [*names, SPOOL]:  # claimed before the long work
             handles[name] = files.open(name)
-        start = time.perf_counter()
-        if kind == "bpe":
-            tok = train_bpe(chunks(text(0, n_train), chunk_chars), arg)
-            seconds["train_tokenizer"] = time.perf_counter() - start
-            if log:
-                log(f"trained a byte-level BPE of {tok.vocab_size:,} ids on {n_train:,} characters in "
-                    f"{seconds['train_tokenizer']:.1f} s")
-        else:
-            tok = Tokenizer("bytes") if kind == "bytes" else Tokenizer.from_file(arg)
-        if dtype == "uint16" and tok.vocab_size > 1 << 16:
-            raise ValueError(f"--dtype uint16 holds at most 65,536 ids, and the tokenizer has {tok.vocab_size:,}; "
-                             f"use --dtype uint32 (or leave --dtype out).")
-        dtype = dtype or dtype_for(tok.vocab_size)
-        bar, splits = _Progress(total, progress), {}
-        start = time.perf_counter()
-        with bar.bar:
-            for name, (lo, hi) in zip(TOKEN_FILES, ((0, n_train), (n_train, None))):
-                with handles[name] as f:
-                    n, nbytes, chars = _encode(tok, text(lo, hi), f, dtype, chunk_chars, bar)
-                splits[name[:-4]] = {"tokens": n, "bytes": nbytes, "characters": chars}
-        seconds["encode"] = time.perf_counter() - start
-        if kind != "bytes":
-            with handles[TOKENIZER_FILE] as f:
-                f.write(tok.to_json().encode("utf-8"))
-        meta = {"vocab_size": tok.vocab_size, "dtype": dtype,
-                "tokenizer": {"kind": kind, "file": None if kind == "bytes" else TOKENIZER_FILE, "spec": tokenizer},
-                "splits": splits, "inputs": digests, "val_fraction": val_fraction, "field": field}
-        with handles[META] as f:
-            f.write((json.dumps(meta, indent=1) + "\n").encode("utf-8"))
+        meta, seconds, workers = _prepare_into(files, handles, paths, given, kind, arg, tokenizer, val_fraction,
+                                               dtype, field, workers, chunk_chars, read_bytes, progress, log, note)
         files.publish()
     except BaseException:
         for h in handles.values():
             h.close()
         files.discard()
         raise
-    return {**meta, "seconds": seconds}
+    finally:
+        restore()
+    return {**meta, "seconds": seconds, "workers": workers}
+
+
+def _raise_on_ctrl_c():
+    """Make Ctrl-C raise KeyboardInterrupt in this (main) thread, so that a stopped run removes its
+    .partial files and ends its worker processes (jdp's command otherwise exits at once on it);
+    returns the function that puts the handler back."""
+    try:
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    except ValueError:  # not the main thread: signals are left alone
+        return lambda: None
+    return lambda: signal.signal(signal.SIGINT, previous)
+
+
+def _prepare_into(files, handles, paths, given, kind, arg, spec, val_fraction, dtype, field, workers, chunk_chars,
+                  read_bytes, progress, log, note) -> tuple[dict, dict, int]:
+    """`prepare`'s work once its files are claimed: read the inputs once into the spool, split,
+    tokenizer, encode, meta.json; returns (meta, seconds, the worker processes that encoded)."""
+    start = time.perf_counter()
+    with handles.pop(SPOOL) as f:
+        total, digests = spool(paths, f, field=field, read_bytes=read_bytes)
+    seconds = {"read": time.perf_counter() - start}
+    n_train = _split_sizes(given, total, val_fraction)
+    workers = workers or default_workers(total)
+    text = lambda: spooled_pieces(files.partial(SPOOL), read_bytes)  # noqa: E731
+    tok, seconds["train_tokenizer"] = _tokenizer(kind, arg, split_pieces(text(), n_train)[0], n_train,
+                                               chunk_chars, log)
+    if dtype == "uint16" and tok.vocab_size > 1 << 16:
+        raise ValueError(f"--dtype uint16 holds at most 65,536 ids, and the tokenizer has {tok.vocab_size:,}; "
+                         f"use --dtype uint32 (or leave --dtype out).")
+    dtype = dtype or dtype_for(tok.vocab_size)
+    encoder_spec, encoder = _encoder(tok, next(chunks(text(), CHECK_CHARS)))
+    if note and kind != "bytes":
+        note(encoder_line(encoder, workers))
+    bar, start = _Progress(total, progress), time.perf_counter()
+    with bar.bar, handles.pop(TOKEN_FILES[0]) as train, handles.pop(TOKEN_FILES[1]) as val:
+        splits = _encode(encoder_spec, split_pieces(text(), n_train), (train, val), dtype, chunk_chars, workers, bar)
+    seconds["encode"] = time.perf_counter() - start
+    files.drop(SPOOL)
+    if kind != "bytes":
+        with handles.pop(TOKENIZER_FILE) as f:
+            f.write(tok.to_json().encode("utf-8"))
+    meta = {"vocab_size": tok.vocab_size, "dtype": dtype,
+            "tokenizer": {"kind": kind, "file": None if kind == "bytes" else TOKENIZER_FILE, "spec": spec},
+            "encoder": encoder, "splits": splits, "inputs": digests, "val_fraction": val_fraction, "field": field}
+    with handles.pop(META) as f:
+        f.write((json.dumps(meta, indent=1) + "\n").encode("utf-8"))
+    return meta, seconds, workers
 
 
 def summary(meta: dict, out: str) -> list[str]:
@@ -245,17 +341,17 @@ def summary(meta: dict, out: str) -> list[str]:
 
 
 def prepare_from(source, out: str, *, val_fraction: float = 0.1, dtype: str | None = None, tokenizer: str = "bytes",
-                 field: str = "text", progress: bool = False, log=None) -> str:
+                 field: str = "text", workers: int | None = None, progress: bool = False, log=None, note=None) -> str:
     """`prepare` on the INPUT(s) `source`; returns the lines that say what was written (`summary`).
     ValueError, in one sentence, for bad input or a file that cannot be read or written."""
     try:
         meta = prepare(source, out, tokenizer=tokenizer, val_fraction=val_fraction, dtype=dtype, field=field,
-                       progress=progress, log=log)
+                       workers=workers, progress=progress, log=log, note=note)
     except OSError as e:  # an unreadable INPUT, an OUTPUT that cannot be created or written, a full disk
         raise ValueError(f"cannot prepare {out!r} from {source!r}: {e.strerror or e}"
                          + (f" ({e.filename!r})." if e.filename else ".")) from None
     return "\n".join(summary(meta, out))
 
 
-__all__ = ["BATCH_CHUNKS", "CHUNK_CHARS", "DTYPES", "REFERENCE", "TOKEN_FILES", "TRAIN_CONFIG", "prepare",
-           "prepare_from", "summary"]
+__all__ = ["CHECK_CHARS", "CHUNK_CHARS", "DTYPES", "REFERENCE", "SPOOL", "TASK_CHUNKS", "TOKEN_FILES", "TRAIN_CONFIG",
+           "WORKER_CHARS", "default_workers", "encoder_line", "prepare", "prepare_from", "summary"]

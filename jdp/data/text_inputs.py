@@ -1,4 +1,4 @@
-"""The text of `jdp data prepare-tokens`' INPUTs, read piece by piece, never whole.
+"""The text of `jdp data prepare-tokens`' INPUTs, read once, piece by piece, never whole.
 
 An INPUT is a UTF-8 text file; a `.jsonl` file (one JSON object a line) whose `--field` (default
 "text") of each record is taken, each followed by a newline; a glob pattern (`'corpus/*.txt'`, its
@@ -8,6 +8,11 @@ Reference's topics (`pydoc_data.topics`, the text `jdp.data.load_char_corpus` re
 (`sysconfig.get_paths()["stdlib"]`), in sorted order. A file of one of those two names wins.
 The text is the INPUTs' texts one after another, as `cat` would join them. Line ends are read
 as Python's text mode reads them: "\\r\\n" and "\\r" become "\\n".
+
+`spool` reads each INPUT once (every file through `_read_blocks`), hashing the bytes it reads and
+writing their text to one UTF-8 file, which the later passes read (`spooled_pieces`): an INPUT
+replaced or still growing while it is read is hashed and encoded as it was read, never as two
+different texts.
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ import codecs
 import glob
 import hashlib
 import io
+import itertools
 import json
 import os
 import sysconfig
@@ -65,49 +71,67 @@ def _reference_text() -> str:
     return reference_text()
 
 
+def _read_blocks(path: str, read_bytes: int):
+    """The raw bytes of a file, `read_bytes` at a time: the one place an INPUT file is read (its
+    digest and its text both come from these very blocks, so they cannot disagree)."""
+    with open(path, "rb") as f:
+        while block := f.read(read_bytes):
+            yield block
+
+
 def _file_pieces(path: str, digest, read_bytes: int):
     """The decoded text of a UTF-8 file, piece by piece, newlines translated as text mode does;
     `digest` (a hashlib object or None) is fed the raw bytes."""
     utf8 = codecs.getincrementaldecoder("utf-8")("strict")
     decoder = io.IncrementalNewlineDecoder(utf8, translate=True)
     consumed = 0
-    with open(path, "rb") as f:
-        while True:
-            block = f.read(read_bytes)
-            if digest is not None:
-                digest.update(block)
-            pending = len(utf8.getstate()[0])
-            try:
-                piece = decoder.decode(block, final=not block)
-            except UnicodeDecodeError as e:
-                raise ValueError(f"INPUT {quoted(path)} is not UTF-8 text ({e.reason} at byte "
-                                 f"{consumed - pending + e.start}).") from None
-            consumed += len(block)
-            if piece:
-                yield piece
-            if not block:
-                return
+    for block in itertools.chain(_read_blocks(path, read_bytes), [b""]):  # the empty block ends the decoding
+        if digest is not None:
+            digest.update(block)
+        pending = len(utf8.getstate()[0])
+        try:
+            piece = decoder.decode(block, final=not block)
+        except UnicodeDecodeError as e:
+            raise ValueError(f"INPUT {quoted(path)} is not UTF-8 text ({e.reason} at byte "
+                             f"{consumed - pending + e.start}).") from None
+        consumed += len(block)
+        if piece:
+            yield piece
 
 
-def _jsonl_pieces(path: str, field: str, digest):
+def _lines(path: str, digest, read_bytes: int):
+    """The lines of a file as bytes, each with its b"\\n" (the last perhaps without); `digest` is fed the raw bytes."""
+    parts: list[bytes] = []  # the line being read (a long line is joined once, not copied per block)
+    for block in _read_blocks(path, read_bytes):
+        if digest is not None:
+            digest.update(block)
+        start = 0
+        while (end := block.find(b"\n", start)) >= 0:
+            parts.append(block[start:end + 1])
+            yield b"".join(parts)
+            parts, start = [], end + 1
+        if start < len(block):
+            parts.append(block[start:])
+    if parts:
+        yield b"".join(parts)
+
+
+def _jsonl_pieces(path: str, field: str, digest, read_bytes: int):
     """Each record's `field` of a .jsonl file, then a newline; `digest` is fed the raw bytes."""
-    with open(path, "rb") as f:
-        for number, line in enumerate(f, 1):
-            if digest is not None:
-                digest.update(line)
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except (UnicodeDecodeError, ValueError) as e:
-                raise ValueError(f"line {number} of INPUT {quoted(path)} is not a JSON object in UTF-8 "
-                                 f"({str(e).splitlines()[0]}).") from None
-            text = record.get(field) if isinstance(record, dict) else None
-            if not isinstance(text, str):
-                what = "no field" if not isinstance(record, dict) or field not in record else "a non-string field"
-                raise ValueError(f"line {number} of INPUT {quoted(path)} has {what} {field!r}; name the record's text "
-                                 f"field with --field.")
-            yield text + "\n"
+    for number, line in enumerate(_lines(path, digest, read_bytes), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except (UnicodeDecodeError, ValueError) as e:
+            raise ValueError(f"line {number} of INPUT {quoted(path)} is not a JSON object in UTF-8 "
+                             f"({str(e).splitlines()[0]}).") from None
+        text = record.get(field) if isinstance(record, dict) else None
+        if not isinstance(text, str):
+            what = "no field" if not isinstance(record, dict) or field not in record else "a non-string field"
+            raise ValueError(f"line {number} of INPUT {quoted(path)} has {what} {field!r}; name the record's text "
+                             f"field with --field.")
+        yield text + "\n"
 
 
 def input_pieces(path: str, *, field: str = "text", digest=None, read_bytes: int = READ_BYTES):
@@ -118,25 +142,66 @@ def input_pieces(path: str, *, field: str = "text", digest=None, read_bytes: int
             digest.update(text.encode("utf-8"))
         yield text
     elif path.lower().endswith(".jsonl"):
-        yield from _jsonl_pieces(path, field, digest)
+        yield from _jsonl_pieces(path, field, digest, read_bytes)
     else:
         yield from _file_pieces(path, digest, read_bytes)
 
 
-def survey(paths: list[str], *, field: str = "text", read_bytes: int = READ_BYTES) -> tuple[int, list[dict]]:
-    """One pass over the INPUTs: their text's length in characters and `[{"path", "sha256"}, ...]`
-    (sha256 of each file's bytes; of the UTF-8 text for python-reference). Raises ValueError for
-    text that is not UTF-8, a .jsonl record without the field, or a file that cannot be read."""
+def spool(paths: list[str], sink, *, field: str = "text", read_bytes: int = READ_BYTES) -> tuple[int, list[dict]]:
+    """Read the INPUTs once, writing their text (UTF-8, newlines translated, .jsonl fields taken) to
+    the binary file `sink`: (characters written, `[{"path", "sha256"}, ...]`), each sha256 of the
+    very bytes read (of the UTF-8 text for python-reference). Raises ValueError for text that is
+    not UTF-8, a .jsonl record without the field, or a file that cannot be read."""
     total, inputs = 0, []
     for path in paths:
         h = hashlib.sha256()
-        try:
-            for piece in input_pieces(path, field=field, digest=h, read_bytes=read_bytes):
-                total += len(piece)
-        except OSError as e:
-            raise ValueError(f"INPUT {quoted(path)} cannot be read ({e.strerror or e}).") from None
+        pieces = input_pieces(path, field=field, digest=h, read_bytes=read_bytes)
+        while True:
+            try:
+                piece = next(pieces, None)
+            except OSError as e:  # the INPUT's (the sink's own errors, a full disk, are the caller's to say)
+                raise ValueError(f"INPUT {quoted(path)} cannot be read ({e.strerror or e}).") from None
+            if piece is None:
+                break
+            total += len(piece)
+            sink.write(piece.encode("utf-8"))
         inputs.append({"path": path if path == REFERENCE else os.path.abspath(path), "sha256": h.hexdigest()})
     return total, inputs
+
+
+def spooled_pieces(path: str, read_bytes: int = READ_BYTES):
+    """The text `spool` wrote to `path`, piece by piece (str): decoded as written, nothing translated."""
+    utf8 = codecs.getincrementaldecoder("utf-8")("strict")
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(read_bytes)
+            piece = utf8.decode(block, final=not block)
+            if piece:
+                yield piece
+            if not block:
+                return
+
+
+def split_pieces(pieces, n: int):
+    """(the first n characters of the str iterable `pieces`, the rest), each an iterator of pieces;
+    the second must be read after the first."""
+    it, left = iter(pieces), []
+
+    def head():
+        count = 0
+        for piece in it:
+            if count + len(piece) >= n:
+                yield piece[:n - count]
+                left.append(piece[n - count:])
+                return
+            count += len(piece)
+            yield piece
+
+    def tail():
+        yield from (p for p in left if p)
+        yield from it
+
+    return head(), tail()
 
 
 def _cut(text: str) -> int:
@@ -168,18 +233,5 @@ def chunks(pieces, size: int):
         yield buffer
 
 
-def text_range(paths: list[str], lo: int, hi: int | None, *, field: str = "text", read_bytes: int = READ_BYTES):
-    """The characters lo .. hi - 1 (hi None: to the end) of the INPUTs' text, piece by piece."""
-    at = 0
-    for path in paths:
-        for piece in input_pieces(path, field=field, read_bytes=read_bytes):
-            start, at = at, at + len(piece)
-            if at <= lo:
-                continue
-            if hi is not None and start >= hi:
-                return
-            yield piece[max(lo - start, 0):None if hi is None else hi - start]
-
-
-__all__ = ["READ_BYTES", "REFERENCE", "STDLIB", "chunks", "expand_inputs", "input_pieces", "stdlib_files", "survey",
-           "text_range"]
+__all__ = ["READ_BYTES", "REFERENCE", "STDLIB", "chunks", "expand_inputs", "input_pieces", "split_pieces", "spool",
+           "spooled_pieces", "stdlib_files"]

@@ -9,9 +9,11 @@ beside the token files; SPEC is one of
 - the path of a `tokenizer.json` (what a Hugging Face model folder holds), copied to OUTPUT.
 
 meta.json: `{"vocab_size": int, "dtype": "uint16" | "uint32", "tokenizer": {"kind": "bytes" | "bpe" |
-"file", "file": "tokenizer.json" | null, "spec": SPEC}, "splits": {"train": {"tokens": int, "bytes":
-int, "characters": int}, "val": {...}}, "inputs": [{"path": str, "sha256": str}, ...], "val_fraction":
-float}`; a split's "bytes" are the UTF-8 bytes of the text its tokens encode (bits per byte =
+"file", "file": "tokenizer.json" | null, "spec": SPEC}, "encoder": {"engine": "bytes" | "tiktoken" |
+"tokenizers", "version": str | null, "why": str}, "splits": {"train": {"tokens": int, "bytes": int,
+"characters": int}, "val": {...}}, "inputs": [{"path": str, "sha256": str}, ...], "val_fraction":
+float}` ("encoder": what encoded the text and why, `jdp.data.encoders`; absent in folders written
+before it); a split's "bytes" are the UTF-8 bytes of the text its tokens encode (bits per byte =
 loss per token × tokens / (ln 2 × bytes)). A folder without meta.json (token files written before
 it existed) holds byte tokens. The BPE and file kinds need the `tokenizers` extra (Hugging Face's
 Rust library); the bytes tokenizer needs nothing.

@@ -24,9 +24,10 @@ def add_data_parser(sub) -> None:
         "prepare-tokens", help="token files (train.bin, val.bin), the tokenizer and meta.json from texts",
         description="Write OUTPUT/train.bin and OUTPUT/val.bin, the format data.name tokens reads (nanoGPT's: "
         "token ids, each a little-endian unsigned integer of --dtype, no header), the tokenizer (tokenizer.json) "
-        "and meta.json (vocab size, dtype, tokenizer, the inputs' sha256), which jdp train reads. The INPUTs are "
-        "read piece by piece, never whole; val.bin holds the last --val-fraction of their characters. Nothing "
-        "in OUTPUT is ever overwritten.")
+        "and meta.json (vocab size, dtype, tokenizer, the inputs' sha256), which jdp train reads. Each INPUT is "
+        "read once, piece by piece, never whole, into OUTPUT/text.partial (removed at the end), whose text is "
+        "encoded; val.bin holds the last --val-fraction of the characters. A GPT-2-style byte-level BPE is encoded "
+        "with tiktoken where it gives the tokenizers library's ids. Nothing in OUTPUT is ever overwritten.")
     tokens.add_argument("input", nargs="+", metavar="INPUT", help="UTF-8 text files, .jsonl files (their --field), "
                         "glob patterns ('corpus/*.txt'), python-reference (the Python Language Reference text) or "
                         "python-stdlib (the standard library's .py files): read one after another")
@@ -38,6 +39,9 @@ def add_data_parser(sub) -> None:
                         "ids) or uint32 (the default above)")
     tokens.add_argument("--val-fraction", type=float, default=0.1, help="the held-out share of characters (0.1)")
     tokens.add_argument("--field", default="text", help="the field of each .jsonl record that holds its text (text)")
+    tokens.add_argument("--workers", type=_number(1, None, "at least 1", integer=True), metavar="N",
+                        help="processes that encode (default: the CPU cores this process may use, but no more than "
+                        "one per 16 Mi characters of text); the ids are the same for any N")
     tokens.add_argument("--no-progress", action="store_true", help="no progress bar (it shows on a terminal only)")
 
 
@@ -126,8 +130,8 @@ def cmd_data(args) -> int:
 
     # data_command is "prepare-tokens", the only one
     print(prepare_from(args.input, args.output, val_fraction=args.val_fraction, dtype=args.dtype,
-                       tokenizer=args.tokenizer, field=args.field, progress=not args.no_progress,
-                       log=lambda line: print(line, flush=True)))
+                       tokenizer=args.tokenizer, field=args.field, workers=args.workers, progress=not args.no_progress,
+                       log=lambda line: print(line, flush=True), note=lambda line: print(line, file=sys.stderr)))
     return 0
 
 
