@@ -175,6 +175,19 @@ def gpt_for(config, vocab_size: int, rngs: nnx.Rngs | None = None) -> GPT:
                rngs=rngs or nnx.Rngs(config.train.seed))
 
 
+def gpt_task(config, vocab_size: int, rngs, description: str, train, test, bytes_per_token=None) -> Task:
+    """The language-model task of jdp's GPT over `vocab_size` ids, with its model FLOPs counted by
+    nanoGPT's formula (6N + 12·L·H·Q·T per token, N without the position embedding) over windows of
+    model.context tokens."""
+    from jdp.inspect.flops import GPT_SOURCE, gpt_flops_per_token, gpt_params_without_position
+
+    m = config.model
+    fm = functional(gpt_for(config, vocab_size, rngs))
+    per_token = gpt_flops_per_token(gpt_params_without_position(fm.params), m.n_layers, m.d_model, m.context)
+    return dataclasses.replace(language_model(fm, description, train, test, bytes_per_token),
+                               flops_per_example=per_token * m.context, flops_source=GPT_SOURCE)
+
+
 def char_bytes_per_token(corpus) -> float:
     """UTF-8 bytes per character of the corpus's held-out text (a character is one token of the char GPT)."""
     text = corpus.text[len(corpus.text) - len(corpus.val):]
@@ -210,13 +223,12 @@ def build_task(config) -> Task:
         corpus = D.load_char_corpus()
         train = D.char_windows(corpus.train, m.context, stride=m.context // 2)
         test = D.char_windows(corpus.val, m.context, stride=m.context)
-        return language_model(functional(gpt_for(config, corpus.vocab_size, rngs)),
-                               f"char GPT ({corpus.vocab_size} symbols)", train, test, char_bytes_per_token(corpus))
+        return gpt_task(config, corpus.vocab_size, rngs, f"char GPT ({corpus.vocab_size} symbols)", train, test,
+                        char_bytes_per_token(corpus))
     if d.name == "tokens":
         train, test = token_files(config)
-        return language_model(functional(gpt_for(config, d.vocab_size, rngs)),
-                               f"GPT on tokens {quoted(d.path)} ({d.vocab_size} ids)", train, test,
-                               d.val_path and token_bytes_per_token(d.val_path, d.vocab_size))
+        return gpt_task(config, d.vocab_size, rngs, f"GPT on tokens {quoted(d.path)} ({d.vocab_size} ids)", train,
+                        test, d.val_path and token_bytes_per_token(d.val_path, d.vocab_size))
     if d.name == "digits":
         x, y, xt, yt = D.load_digits(d.test_fraction, images=m.name == "cnn")
         train, test = ArrayDataset({"x": x, "y": y}), ArrayDataset({"x": xt, "y": yt})
