@@ -1061,6 +1061,23 @@ MUTANTS = [
            "            return x\n",
            "        except IndexError:\n            return x\n",
            ("tests/test_annotations.py::test_init_can_be_traced_for_the_states_shapes",)),
+    # model FLOPs (MFU) and the defaults chosen for the device
+    Mutant("gpt_flops_miss_attention", "inspect/flops.py",
+           "return 6 * int(n_params) + 12 * int(n_layers) * int(d_model) * int(seq_len)",
+           "return 6 * int(n_params)",
+           ("tests/test_flops.py::test_the_gpts_count_is_nanogpts_formula_exactly",)),
+    Mutant("remat_counted_as_model_flops", "inspect/flops.py",
+           'total += inner * (eqn.params["length"] if name == "scan" else 1)',
+           'total += inner * (eqn.params["length"] if name == "scan" else 2 if name in ("remat2", "checkpoint") else 1)',
+           ("tests/test_flops.py::test_remat_is_never_counted_as_model_flops",)),
+    Mutant("auto_attention_not_cudnn_on_gpu", "run/device_defaults.py",
+           'if platform == "gpu" and precision == "bfloat16":',
+           'if platform == "gpu" and precision == "float32":',
+           ("tests/test_device_defaults.py::test_auto_attention_is_cudnn_only_on_a_gpu_in_bfloat16",)),
+    Mutant("remat_margin_boundary", "run/device_defaults.py",
+           "if peak_without <= margin * memory:",
+           "if peak_without < margin * memory:",
+           ("tests/test_device_defaults.py::test_auto_remat_is_off_only_where_the_peak_without_it_fits_with_margin",)),
 ]
 
 

@@ -90,7 +90,7 @@ def test_bf16_configs_are_their_float32_runs_in_bf16():
     big = load_config(str(ROOT / GPT2_SMALL))
     m, o = big.model, big.optim
     assert (m.name, m.d_model, m.n_layers, m.n_heads, m.context, m.attention, m.remat) == (
-        "gpt", 768, 12, 12, 1024, "fused", True)
+        "gpt", 768, 12, 12, 1024, "auto", "auto")
     assert (o.name, o.schedule, o.warmup_steps > 0, o.clip_norm) == ("adamw", "cosine", True, 1.0)
     assert (big.train.precision, big.train.accelerator_only, big.data.name) == ("bfloat16", True, "chars")
 

@@ -169,10 +169,15 @@ def token_files(config) -> tuple:
 def gpt_for(config, vocab_size: int, rngs: nnx.Rngs | None = None) -> GPT:
     """The GPT `jdp train` builds for a `data.name: chars | tokens` config over `vocab_size` ids (model.*,
     train.precision's compute dtype), initialised from `rngs` (default: nnx.Rngs(train.seed))."""
+    from jdp.run.device_defaults import AUTO, choose_attention
+
     m = config.model
+    # "auto" not yet chosen (`jdp.run.device_defaults`: a training run chooses before it builds): the
+    # attention for this backend, and remat on, the choice that needs the least memory
+    attention = choose_attention(m.attention, jax.default_backend(), config.train.precision)[0]
     return GPT(vocab_size, m.context, d_model=m.d_model, n_heads=m.n_heads, n_layers=m.n_layers, dropout=m.dropout,
-               dtype=compute_dtype(config), attention=m.attention, remat=m.remat, scan_layers=m.scan_layers,
-               rngs=rngs or nnx.Rngs(config.train.seed))
+               dtype=compute_dtype(config), attention=attention, remat=m.remat == AUTO or m.remat,
+               scan_layers=m.scan_layers, rngs=rngs or nnx.Rngs(config.train.seed))
 
 
 def gpt_task(config, vocab_size: int, rngs, description: str, train, test, bytes_per_token=None) -> Task:

@@ -17,6 +17,7 @@ from jdp.data import make_batches
 from jdp.inspect.memory import memory_report
 from jdp.run.checkpoint import CheckpointMismatchError, Checkpointer
 from jdp.run.config import Config, validate
+from jdp.run.device_defaults import resolve_device_defaults
 from jdp.run.distributed import agree, any_process
 from jdp.run.facts import RunFacts, itstime
 from jdp.run.lock import locked_workdir
@@ -123,11 +124,13 @@ def train(config: Config, workdir: str, *, devices=None, log=print, progress: bo
     if not workdir:
         raise ValueError("--workdir '' is empty; name the run's directory (or leave --workdir out for "
                          "runs/<config name>).")
+    devices = _checked_devices(config, devices, workdir, allow_cpu, log)
+    # model.attention / model.remat "auto": chosen for these devices and said, before the run's identity
+    config = resolve_device_defaults(config, devices, log)
     facts = RunFacts.of(config, devices, stop_after=stop_after, fallback_to_intact=fallback_to_intact)
     # Every process must take the same collectives at the same steps: agree on what decides them
-    # (and on the run) before anything else touches the devices.
+    # (and on the run) before the steps touch the devices.
     agree(facts.agreed)
-    devices = _checked_devices(config, devices, workdir, allow_cpu, log)
     paths = (None, None) if task else (config.data.path, config.data.val_path)
     parts = _Parts.build(config, task or build_task(config), devices, facts, paths)
     # A run that fails before it writes a record or checkpoint takes back the empty workdir and files it made.
@@ -223,10 +226,10 @@ class _Loop:
             self.writer.advance()
             record = {"step": s}
             if s == start + 1:  # once compiled: the model FLOPs per optimizer step, all devices
-                flops = self.model_flops(micro)
+                flops, said = self.model_flops(micro)
                 record["compile_s"] = throughput.first_step(metrics)
                 self.writer.log(f"step {s} compiled and ran in {record['compile_s']:.1f} s (left out of samples/s)")
-                record |= memory | self.first_flops
+                record |= memory | said
             if facts.logs_at(s, end):
                 m = jax.device_get(metrics)
                 check_finite(s, m, self.config.train.max_nonfinite)
@@ -253,14 +256,11 @@ class _Loop:
         return state, end
 
     def model_flops(self, micro):
-        """The step's model FLOPs (`jdp.run.metrics.step_model_flops`), said once off a CPU; the count
-        and its source go into the first step's record."""
+        """The step's model FLOPs (`step_model_flops`), said once off a CPU, and their record."""
         flops = step_model_flops(self.task, self.step, micro, self.config.data.batch_size)
         if not self.on_cpu:
             self.writer.log(flops_line(flops, self.peak_each, self.kind, self.dtype))
-        self.first_flops = {} if flops is None else {"model_flops_per_step": flops.per_step,
-                                                      "flops_source": flops.source}
-        return flops
+        return flops, {} if flops is None else {"model_flops_per_step": flops.per_step, "flops_source": flops.source}
 
     def memory(self, state, micro) -> dict:
         """Bytes per device of the state and of the compiled step's peak (`jdp.memory_report`), said at
