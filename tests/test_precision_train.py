@@ -124,8 +124,8 @@ def test_new_keys_take_aliases_and_store_full_names():
                                    f"use None, 'float32' ('fp32') or 'bfloat16' ('bf16')."),
     ("parallel.reduce_dtype=[bf16]", "parallel.reduce_dtype must be null or 'float32' ('fp32') or 'bfloat16' "
                                      "('bf16'), got ['bf16']."),
-    ("model.attention=flash", "model.attention must be one of flax, fused, cudnn, got 'flash'."),
-    ("model.remat=1", "model.remat must be true or false, got 1."),
+    ("model.attention=flash", "model.attention must be one of flax, fused, cudnn, auto, got 'flash'."),
+    ("model.remat=1", "model.remat must be true, false or 'auto', got 1."),
     ("train.accelerator_only=maybe", "train.accelerator_only must be true or false, got 'maybe'."),
     ("model.attention=fused", "model.attention='fused' applies to the transformer only and needs "
                               "model.name='gpt', got 'mlp'."),

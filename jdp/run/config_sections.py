@@ -27,7 +27,7 @@ MODEL_DATA = {"mlp": ("digits", "arrays"), "cnn": ("digits", "arrays"), "gpt": (
 HOSTS = "hosts"  # parallel.replicas: one replica group per process
 ATTENTIONS = ("flax", "fused", "cudnn")  # the gpt's attention functions, as `jdp.models.gpt.ATTENTIONS` names them
 AUTO = "auto"  # model.attention, model.remat: chosen for the device when a run starts (`jdp.run.device_defaults`)
-REMAT = Rule("true, false or 'auto' (chosen from the compiled peak and the device's memory)",
+REMAT = Rule("true, false or 'auto'",
              lambda v: v == AUTO if isinstance(v, str) else True, schema={"pattern": "^auto$"})
 # train.precision and parallel.reduce_dtype: what the section checks itself (the type); StepOptions
 # checks the value, so "fp16" gets its one-sentence reason and "bf16" its canonical name.
