@@ -10,7 +10,9 @@ Mixed precision here is the library's: `make_train_step(precision="bfloat16")` r
 bf16 copy of the float32 master params, and `GPT(dtype=jnp.bfloat16)` computes its layers in bf16
 and returns float32 logits for the cross-entropy; gradients, their all-reduce and the AdamW state
 stay float32 (jdp/core/precision.py has the table). Attention is "fused" (`jax.nn.dot_product_attention`,
-cuDNN's flash attention on a GPU) and `remat=True` recomputes each block in the backward pass.
+XLA's implementation) unless `attention="cudnn"` (cuDNN's flash attention) is asked for, and `remat=True`
+recomputes each block in the backward pass. MFU counts the model's FLOPs (nanoGPT's 6N + 12·L·H·Q·T per
+token, `gpt_step_flops`), never XLA's cost analysis of the compiled step.
 """
 from __future__ import annotations
 
