@@ -10,7 +10,9 @@ Mixed precision here is the library's: `make_train_step(precision="bfloat16")` r
 bf16 copy of the float32 master params, and `GPT(dtype=jnp.bfloat16)` computes its layers in bf16
 and returns float32 logits for the cross-entropy; gradients, their all-reduce and the AdamW state
 stay float32 (jdp/core/precision.py has the table). Attention is "fused" (`jax.nn.dot_product_attention`,
-cuDNN's flash attention on a GPU) and `remat=True` recomputes each block in the backward pass.
+XLA's implementation) unless `attention="cudnn"` (cuDNN's flash attention) is asked for, and `remat=True`
+recomputes each block in the backward pass. MFU counts the model's FLOPs (nanoGPT's 6N + 12·L·H·Q·T per
+token, `gpt_step_flops`), never XLA's cost analysis of the compiled step.
 """
 from __future__ import annotations
 
@@ -25,11 +27,22 @@ from jdp.run.metrics import peak_flops as peak_flops_for  # jdp train's table (P
 def mfu(flops_per_step: float, step_seconds: float, peak_per_device: float | None, devices: int) -> float | None:
     """Model FLOPs utilisation: achieved FLOP/s ÷ (peak FLOP/s per device × devices).
 
-    `flops_per_step` counts all devices together (XLA's per-device cost analysis × devices).
+    `flops_per_step` counts all devices together: the model's FLOPs (`gpt_step_flops`), never XLA's cost
+    analysis of the compiled step, which on a GPU leaves out cuBLAS GEMMs and cuDNN attention.
     """
     if not peak_per_device or step_seconds <= 0 or devices < 1:
         return None
     return flops_per_step / step_seconds / (peak_per_device * devices)
+
+
+def gpt_step_flops(params, *, n_layers: int, d_model: int, context: int, global_batch: int) -> int:
+    """Model FLOPs of one training step of jdp's GPT over `global_batch` windows of `context` tokens:
+    nanoGPT's 6N + 12·L·H·Q·T per token (`jdp.inspect.flops.gpt_flops_per_token`), N every param of
+    `params` but the position embedding. Counted from the model, so the same with or without remat."""
+    from jdp.inspect.flops import gpt_flops_per_token, gpt_params_without_position
+
+    n = gpt_params_without_position(params)
+    return gpt_flops_per_token(n, n_layers, d_model, context) * global_batch * context
 
 
 def is_oom(err: BaseException) -> bool:
@@ -124,7 +137,7 @@ def gpt_benchmark(*, d_model: int = 768, n_layers: int = 12, n_heads: int = 12, 
     import optax
 
     import jdp
-    from jdp.run.metrics import step_flops
+    from jdp.inspect.flops import GPT_SOURCE
 
     devices = jax.devices()
     n = len(devices)
@@ -141,9 +154,11 @@ def gpt_benchmark(*, d_model: int = 768, n_layers: int = 12, n_heads: int = 12, 
         placed = [step.shard_batch({"x": t[:, :-1], "y": t[:, 1:]}) for t in tokens]
         state = step.init(params32)
         t0 = time.perf_counter()
-        flops = step_flops(step, state, placed[0])  # compiles the step; the calls below reuse it
+        step.lower(state, placed[0]).compile()  # the calls below reuse it
         compile_s = time.perf_counter() - t0
-        return {"compile_s": compile_s, **time_steps(step, state, placed, steps, repeats), "flops_per_step": flops}
+        flops = gpt_step_flops(params32, n_layers=n_layers, d_model=d_model, context=context, global_batch=global_batch)
+        return {"compile_s": compile_s, **time_steps(step, state, placed, steps, repeats), "flops_per_step": flops,
+                "flops_source": GPT_SOURCE}
 
     batch, res, oomed = largest_fitting(list(batch_candidates), attempt, on_try)
     peak = peak_flops_for(devices[0].device_kind)

@@ -87,7 +87,7 @@ import pytest  # noqa: E402
 # quick tier). An entry is a file, a test, or one parametrized case of a test (`name[id]`).
 QUICK = (
     "test_seeds.py", "test_config.py", "test_data.py", "test_data_order.py", "test_drop_last_divisible.py",
-    "test_faults_input.py", "test_mutants.py", "test_replicas.py",
+    "test_faults_input.py", "test_mutants.py", "test_replicas.py", "test_flops.py", "test_device_defaults.py",
     "test_cli_edges.py", "test_papercuts.py::test_an_installed_wheel_names_the_distribution_on_the_index",
     "test_traps.py::test_shard_map_check_vma_grad_is_local_then_averaged",
     "test_traps.py::test_pmap_with_empty_optimizer_state[4]",

@@ -38,6 +38,10 @@ INLINE = (
     ("docs/fsdp.md", "jdp memory: compiling the ZeRO-1 step, 2 of 3 (...)"),
     ("docs/data.md", "item 5 of the source has 'x' of shape (4,) and dtype float32, but item 0's is (3,) float32"),
     ("docs/data.md", "cannot be opened (Permission denied)"),
+    ("docs/performance.md", "attention: cudnn (GPU, bfloat16; the config left it auto)"),
+    ("docs/performance.md", "remat: off (compiled peak 24.4 GB without it fits 112.6 GB with margin: at most 85%)"),
+    ("docs/performance.md", "model FLOPs per step: 40.929 TFLOP (gpt: 6N+12LHQT); MFU against 989.0 TFLOP/s bfloat16 "
+                            "per device (NVIDIA H200)"),
     ("docs/data.md", "holds 201 bytes, not a whole number of uint16 tokens"),
     ("docs/data.md", "a uint8 token file cannot hold ids up to vocab_size - 1 = 50303 (at most 255), so the token "
                      "file ... is probably uint16"),
@@ -351,8 +355,14 @@ def _messages(tmp_path) -> list[str]:
 
     from jdp.run.memory_table import progress_line
 
+    from jdp.inspect.flops import GPT_SOURCE, ModelFlops
+    from jdp.run.device_defaults import choose_attention, choose_remat
+    from jdp.run.metrics import flops_line
+
     said = [stopping_line("S", "SIGTERM"), stopping_line("S", "SIGINT"),
-            progress_line(63.1, layout="ZeRO-1", number=2, total=3)]
+            progress_line(63.1, layout="ZeRO-1", number=2, total=3),
+            choose_attention("auto", "gpu", "bfloat16")[1], choose_remat("auto", 24_400_000_000, 112_583_507_968)[1],
+            flops_line(ModelFlops(40_929_293_500_416, GPT_SOURCE), 989e12, "NVIDIA H200", "bfloat16")]
 
     def loss(params, batch):
         return ((batch["x"] @ params["w"]) ** 2).mean()

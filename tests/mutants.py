@@ -1171,6 +1171,23 @@ MUTANTS = [
            "            if len(pending) >= 2 * workers:\n                yield pending.popleft().get()",
            "            if len(pending) >= 2 * workers:\n                yield pending.pop().get()",
            ("tests/test_prepare_encoders.py::test_tiktoken_the_library_and_1_or_2_workers_give_the_librarys_ids_of_each_split",)),
+    # model FLOPs (MFU) and the defaults chosen for the device
+    Mutant("gpt_flops_miss_attention", "inspect/flops.py",
+           "return 6 * int(n_params) + 12 * int(n_layers) * int(d_model) * int(seq_len)",
+           "return 6 * int(n_params)",
+           ("tests/test_flops.py::test_the_gpts_count_is_nanogpts_formula_exactly",)),
+    Mutant("remat_counted_as_model_flops", "inspect/flops.py",
+           'total += inner * (eqn.params["length"] if name == "scan" else 1)',
+           'total += inner * (eqn.params["length"] if name == "scan" else 2 if name in ("remat2", "checkpoint") else 1)',
+           ("tests/test_flops.py::test_remat_is_never_counted_as_model_flops",)),
+    Mutant("auto_attention_not_cudnn_on_gpu", "run/device_defaults.py",
+           'if platform == "gpu" and precision == "bfloat16":',
+           'if platform == "gpu" and precision == "float32":',
+           ("tests/test_device_defaults.py::test_auto_attention_is_cudnn_only_on_a_gpu_in_bfloat16",)),
+    Mutant("remat_margin_boundary", "run/device_defaults.py",
+           "if peak_without <= margin * memory:",
+           "if peak_without < margin * memory:",
+           ("tests/test_device_defaults.py::test_auto_remat_is_off_only_where_the_peak_without_it_fits_with_margin",)),
 ]
 
 def occurrences(mutant: Mutant, jdp_dir: str) -> int:

@@ -90,7 +90,7 @@ def test_bf16_configs_are_their_float32_runs_in_bf16():
     big = load_config(str(ROOT / GPT2_SMALL))
     m, o = big.model, big.optim
     assert (m.name, m.d_model, m.n_layers, m.n_heads, m.context, m.attention, m.remat) == (
-        "gpt", 768, 12, 12, 1024, "fused", True)
+        "gpt", 768, 12, 12, 1024, "auto", "auto")
     assert (o.name, o.schedule, o.warmup_steps > 0, o.clip_norm) == ("adamw", "cosine", True, 1.0)
     assert (big.train.precision, big.train.accelerator_only, big.data.name) == ("bfloat16", True, "chars")
 
@@ -124,8 +124,8 @@ def test_new_keys_take_aliases_and_store_full_names():
                                    f"use None, 'float32' ('fp32') or 'bfloat16' ('bf16')."),
     ("parallel.reduce_dtype=[bf16]", "parallel.reduce_dtype must be null or 'float32' ('fp32') or 'bfloat16' "
                                      "('bf16'), got ['bf16']."),
-    ("model.attention=flash", "model.attention must be one of flax, fused, cudnn, got 'flash'."),
-    ("model.remat=1", "model.remat must be true or false, got 1."),
+    ("model.attention=flash", "model.attention must be one of flax, fused, cudnn, auto, got 'flash'."),
+    ("model.remat=1", "model.remat must be true, false or 'auto', got 1."),
     ("train.accelerator_only=maybe", "train.accelerator_only must be true or false, got 'maybe'."),
     ("model.attention=fused", "model.attention='fused' applies to the transformer only and needs "
                               "model.name='gpt', got 'mlp'."),

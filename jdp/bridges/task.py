@@ -25,6 +25,9 @@ class Task:
     transform: Callable | None = None  # transform(example, rng) on every training example (jdp.data.make_batches)
     per_token: bool = False  # a language model: the loss is a mean per token, evaluated with perplexity too
     bytes_per_token: float | None = None  # UTF-8 bytes of text per held-out token (bits per byte); None: unknown
+    flops_per_example: float | None = None  # model FLOPs of one example's training step by the model's own
+    #                                         count (jdp's GPT: 6N+12LHQT per token); None: counted from the program
+    flops_source: str | None = None  # which count flops_per_example is (`jdp.inspect.flops.GPT_SOURCE`)
 
 
 __all__ = ["Task"]

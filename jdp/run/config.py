@@ -241,8 +241,8 @@ def validate(config: Config, num_devices: int | None) -> Config:
         raise ConfigError(f"model.sync_batchnorm=true needs model.name='cnn' (the model with BatchNorm), "
                           f"got {m.name!r}.")
     if m.name != "gpt" and (m.attention != "flax" or m.remat or m.scan_layers):
-        key = (f"model.attention={m.attention!r}" if m.attention != "flax" else "model.remat=true" if m.remat
-               else "model.scan_layers=true")
+        key = (f"model.attention={m.attention!r}" if m.attention != "flax" else f"model.remat={str(m.remat).lower()}"
+               if m.remat else "model.scan_layers=true")
         raise ConfigError(f"{key} applies to the transformer only and needs model.name='gpt', got {m.name!r}.")
     if m.attention == "cudnn" and config.train.precision != "bfloat16":  # (the model checks for a GPU itself)
         raise ConfigError(f"model.attention='cudnn' (cuDNN flash attention) computes in bfloat16 and needs "

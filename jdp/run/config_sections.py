@@ -26,6 +26,9 @@ MODEL_DATA = {"mlp": ("digits", "arrays"), "cnn": ("digits", "arrays"), "gpt": (
               "linear": ("seed_linear", "arrays")}
 HOSTS = "hosts"  # parallel.replicas: one replica group per process
 ATTENTIONS = ("flax", "fused", "cudnn")  # the gpt's attention functions, as `jdp.models.gpt.ATTENTIONS` names them
+AUTO = "auto"  # model.attention, model.remat: chosen for the device when a run starts (`jdp.run.device_defaults`)
+REMAT = Rule("true, false or 'auto'",
+             lambda v: v == AUTO if isinstance(v, str) else True, schema={"pattern": "^auto$"})
 # train.precision and parallel.reduce_dtype: what the section checks itself (the type); StepOptions
 # checks the value, so "fp16" gets its one-sentence reason and "bf16" its canonical name.
 DTYPE = Rule("'float32' ('fp32') or 'bfloat16' ('bf16')", schema={"enum": [*DTYPES, *ALIASES]})
@@ -84,11 +87,14 @@ class ModelConfig(Section):
     attention: str = "flax"
     """gpt only: "flax" (nnx.MultiHeadAttention with a materialised (T, T) causal mask), "fused"
     (jax.nn.dot_product_attention with is_causal=True and no mask; XLA's implementation on every
-    backend) or "cudnn" (the same call with cuDNN flash attention: GPUs only, and train.precision
-    bfloat16). The params are the same for all three. Other models take only "flax"."""
-    remat: bool = False
+    backend), "cudnn" (the same call with cuDNN flash attention: GPUs only, and train.precision
+    bfloat16) or "auto" (chosen when the run starts, and said: cudnn on a GPU in bfloat16, else
+    fused). The params are the same for all of them. Other models take only "flax"."""
+    remat: bool | str = False
     """gpt only: recompute each transformer block in the backward pass instead of storing its
-    activations (less memory, one more forward pass of the blocks). Other models refuse true."""
+    activations (less memory, one more forward pass of the blocks); "auto": chosen when the run
+    starts, and said: off where the compiled step's peak without it is at most 85% of the device's
+    memory, on where it is more or the memory is not known (a CPU). Other models refuse true and auto."""
     scan_layers: bool = False
     """gpt only: stack the blocks' params and run them in one lax.scan (with model.remat, a
     rematerialised scan body). Under parallel.shard_params each layer's params are then gathered
@@ -101,7 +107,7 @@ class ModelConfig(Section):
     _rules: ClassVar[dict[str, Rule]] = dict(
         name=one_of(MODELS), hidden=WIDTHS, channels=TWO_WIDTHS, sync_batchnorm=BOOL, d_model=POSITIVE_INT,
         n_heads=POSITIVE_INT, n_layers=POSITIVE_INT, dropout=UNIT, context=POSITIVE_INT,
-        attention=one_of(ATTENTIONS), remat=BOOL, scan_layers=BOOL)
+        attention=one_of((*ATTENTIONS, AUTO)), remat=REMAT, scan_layers=BOOL)
 
 
 @dataclass(frozen=True)

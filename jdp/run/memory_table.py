@@ -47,6 +47,27 @@ def memory_table(config: Config, devices, fsdp_extra: list[str] = (), say=None) 
     return rows
 
 
+def compiled_peak(config: Config, devices) -> int | None:
+    """Bytes per device of the compiled step's peak (`jdp.memory_report(...).allocated`) for `config`'s
+    model, layout and first micro-batch on `devices`: compiled, not run. None where XLA gives no
+    memory analysis."""
+    import jax
+
+    from jdp.data import make_batches
+    from jdp.inspect.memory import memory_report
+
+    task = build_task(config)
+    batches = make_batches(task.train, config.data.batch_size, seed=config.train.seed, transform=task.transform,
+                           process_index=jax.process_index(), num_processes=jax.process_count())
+    try:
+        first = next(batches)
+    finally:
+        batches.close()
+    step = train_step_for(config, task, devices)
+    state = step.init(task.params, task.model_state, seed=config.train.seed)
+    return memory_report(step, state, step.micro_batches(first)[0]).allocated
+
+
 def progress_line(seconds: float, model: str | None = None, layout: str | None = None, number: int = 0,
                   total: int = 0) -> str:
     """The line `jdp memory` prints `seconds` after it began: as it builds `model`'s task, as it starts

@@ -13,38 +13,58 @@ import numpy as np
 
 from jdp.run.workfiles import SymlinkRefusedError, open_nofollow, refuse_symlink
 
-# Peak dense (no sparsity) bf16 tensor-core FLOP/s per device, from the vendors' data sheets; the
-# denominator of MFU. Keys are matched in order as substrings of jax's `device.device_kind` (e.g.
-# "NVIDIA H100 80GB HBM3" for the SXM part), so the more specific names come first. Devices not
-# listed (CPUs among them) get achieved FLOP/s only.
+# Peak dense (no sparsity) tensor-core FLOP/s per device and compute dtype, from the vendors' data
+# sheets: the denominator of MFU. Keys are matched in order as substrings of jax's `device.device_kind`
+# (e.g. "NVIDIA H100 80GB HBM3" for the SXM part), so the more specific names come first. float32 is
+# TF32's peak: jax's default matmul precision runs float32 matmuls as TF32 on these GPUs. A device or
+# dtype not listed (CPUs among them) gets no MFU, never a guessed one.
 PEAK_FLOPS = {
-    "H100 PCIe": 756e12,
-    "H100 NVL": 835e12,
-    "H100": 989e12,  # SXM
-    "H200 NVL": 835e12,
-    "H200": 989e12,  # SXM
-    "A100": 312e12,  # SXM and PCIe
-    "L40S": 362e12,
+    "bfloat16": {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12,  # SXM
+                 "H200 NVL": 835e12, "H200": 989e12,  # SXM
+                 "B200": 2250e12, "A100": 312e12,  # SXM and PCIe
+                 "L40S": 362e12, "TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v6 lite": 918e12},
+    "float32": {"H100 PCIe": 378e12, "H100 NVL": 417.5e12, "H100": 494.5e12, "H200 NVL": 417.5e12,
+                "H200": 494.5e12, "A100": 156e12, "L40S": 183e12},
 }
 
 
-def peak_flops(device_kind: str) -> float | None:
-    """Peak dense bf16 FLOP/s of one device of `device_kind` (e.g. "NVIDIA H200"); None if not listed."""
-    return next((v for k, v in PEAK_FLOPS.items() if k in (device_kind or "")), None)
+def peak_flops(device_kind: str, dtype: str = "bfloat16") -> float | None:
+    """Peak dense FLOP/s of one device of `device_kind` (e.g. "NVIDIA H200") computing in `dtype`
+    ("bfloat16" or "float32"); None if not listed."""
+    table = PEAK_FLOPS.get(dtype, {})
+    return next((v for k, v in table.items() if k in (device_kind or "")), None)
 
 
-def step_flops(step, state, batch) -> float | None:
-    """FLOPs of one optimizer step over all devices, from XLA's cost analysis of the compiled step.
+def step_model_flops(task, step, micro, samples: int):
+    """Model FLOPs of one optimizer step over the global batch of `samples` examples
+    (`jdp.inspect.flops.ModelFlops`): the task's own count per example where it has one (jdp's GPT:
+    6N+12LHQT per token), else 3 × the forward FLOPs of `task.loss_fn` traced on one device's share of
+    the call's micro-batch `micro`, × devices × accumulation steps. None if the loss cannot be traced.
+    Never from the compiled program (`jdp.inspect.flops` says why)."""
+    import jax
 
-    `batch` is one call's (micro-)batch; None where the backend gives no cost analysis.
-    """
+    from jdp.inspect.flops import ModelFlops, program_model_flops
+
+    if getattr(task, "flops_per_example", None):
+        return ModelFlops(task.flops_per_example * samples, task.flops_source)
+    n = step.num_devices
+    spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0] // n, *x.shape[1:]), x.dtype), micro)
+    axes = list(getattr(step.mesh, "shape", {}).items())
     try:
-        cost = step.lower(state, batch).compile().cost_analysis()
-    except Exception:  # cost analysis is best-effort: some backends do not provide it
+        return program_model_flops(task.loss_fn, task.params, task.model_state, spec, jax.random.key(0),
+                                   examples_scale=n * step.accum_steps, axis_env=axes)
+    except Exception:  # a loss jax cannot trace on its own (outside the step): no MFU rather than a wrong one
         return None
-    cost = cost[0] if isinstance(cost, list) else cost
-    flops = float((cost or {}).get("flops", 0.0))
-    return flops * step.num_devices * step.accum_steps if flops > 0 else None
+
+
+def flops_line(flops, peak: float | None, device_kind: str, dtype: str) -> str:
+    """The line a run on an accelerator says once: its model FLOPs per step and their count, and the
+    peak MFU divides by, or why there is no MFU."""
+    count = ("model FLOPs: none (the loss could not be traced on its own)" if flops is None else
+             f"model FLOPs per step: {flops.per_step / 1e12:,.3f} TFLOP ({flops.source})")
+    where = (f"MFU against {peak / 1e12:,.1f} TFLOP/s {dtype} per device ({device_kind})" if peak else
+             f"no MFU: jdp has no peak FLOP/s for device kind {device_kind!r} in {dtype}")
+    return f"{count}; {where}"
 
 
 class TensorBoard:
@@ -60,7 +80,7 @@ class TensorBoard:
     def write(self, record: dict) -> None:
         """Every scalar of `record` except its "step", at that step."""
         for key, value in record.items():
-            if key != "step":
+            if key != "step" and isinstance(value, (int, float)):  # not a record's words (flops_source)
                 self._writer.add_scalar(key, value, record["step"])
         self._writer.flush()
 

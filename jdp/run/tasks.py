@@ -169,10 +169,28 @@ def token_files(config) -> tuple:
 def gpt_for(config, vocab_size: int, rngs: nnx.Rngs | None = None) -> GPT:
     """The GPT `jdp train` builds for a `data.name: chars | tokens` config over `vocab_size` ids (model.*,
     train.precision's compute dtype), initialised from `rngs` (default: nnx.Rngs(train.seed))."""
+    from jdp.run.device_defaults import AUTO, choose_attention
+
     m = config.model
+    # "auto" not yet chosen (`jdp.run.device_defaults`: a training run chooses before it builds): the
+    # attention for this backend, and remat on, the choice that needs the least memory
+    attention = choose_attention(m.attention, jax.default_backend(), config.train.precision)[0]
     return GPT(vocab_size, m.context, d_model=m.d_model, n_heads=m.n_heads, n_layers=m.n_layers, dropout=m.dropout,
-               dtype=compute_dtype(config), attention=m.attention, remat=m.remat, scan_layers=m.scan_layers,
-               rngs=rngs or nnx.Rngs(config.train.seed))
+               dtype=compute_dtype(config), attention=attention, remat=m.remat == AUTO or m.remat,
+               scan_layers=m.scan_layers, rngs=rngs or nnx.Rngs(config.train.seed))
+
+
+def gpt_task(config, vocab_size: int, rngs, description: str, train, test, bytes_per_token=None) -> Task:
+    """The language-model task of jdp's GPT over `vocab_size` ids, with its model FLOPs counted by
+    nanoGPT's formula (6N + 12·L·H·Q·T per token, N without the position embedding) over windows of
+    model.context tokens."""
+    from jdp.inspect.flops import GPT_SOURCE, gpt_flops_per_token, gpt_params_without_position
+
+    m = config.model
+    fm = functional(gpt_for(config, vocab_size, rngs))
+    per_token = gpt_flops_per_token(gpt_params_without_position(fm.params), m.n_layers, m.d_model, m.context)
+    return dataclasses.replace(language_model(fm, description, train, test, bytes_per_token),
+                               flops_per_example=per_token * m.context, flops_source=GPT_SOURCE)
 
 
 def char_bytes_per_token(corpus) -> float:
@@ -210,13 +228,12 @@ def build_task(config) -> Task:
         corpus = D.load_char_corpus()
         train = D.char_windows(corpus.train, m.context, stride=m.context // 2)
         test = D.char_windows(corpus.val, m.context, stride=m.context)
-        return language_model(functional(gpt_for(config, corpus.vocab_size, rngs)),
-                               f"char GPT ({corpus.vocab_size} symbols)", train, test, char_bytes_per_token(corpus))
+        return gpt_task(config, corpus.vocab_size, rngs, f"char GPT ({corpus.vocab_size} symbols)", train, test,
+                        char_bytes_per_token(corpus))
     if d.name == "tokens":
         train, test = token_files(config)
-        return language_model(functional(gpt_for(config, d.vocab_size, rngs)),
-                               f"GPT on tokens {quoted(d.path)} ({d.vocab_size} ids)", train, test,
-                               d.val_path and token_bytes_per_token(d.val_path, d.vocab_size))
+        return gpt_task(config, d.vocab_size, rngs, f"GPT on tokens {quoted(d.path)} ({d.vocab_size} ids)", train,
+                        test, d.val_path and token_bytes_per_token(d.val_path, d.vocab_size))
     if d.name == "digits":
         x, y, xt, yt = D.load_digits(d.test_fraction, images=m.name == "cnn")
         train, test = ArrayDataset({"x": x, "y": y}), ArrayDataset({"x": xt, "y": yt})

@@ -17,10 +17,11 @@ from jdp.data import make_batches
 from jdp.inspect.memory import memory_report
 from jdp.run.checkpoint import CheckpointMismatchError, Checkpointer
 from jdp.run.config import Config, validate
+from jdp.run.device_defaults import resolve_device_defaults
 from jdp.run.distributed import agree, any_process
 from jdp.run.facts import RunFacts, itstime
 from jdp.run.lock import locked_workdir
-from jdp.run.metrics import MetricsWriter, load_metrics, peak_flops, plot_metrics, step_flops
+from jdp.run.metrics import MetricsWriter, flops_line, load_metrics, peak_flops, plot_metrics, step_model_flops
 from jdp.run.profile import StepProfile, parse_steps
 from jdp.run.records import (DataStoppedError, EvaluationOutOfMemoryError, NonFiniteError, Throughput, check_finite,
                               evaluation_out_of_memory, language_model_units, stopping_line, train_record,
@@ -123,11 +124,13 @@ def train(config: Config, workdir: str, *, devices=None, log=print, progress: bo
     if not workdir:
         raise ValueError("--workdir '' is empty; name the run's directory (or leave --workdir out for "
                          "runs/<config name>).")
+    devices = _checked_devices(config, devices, workdir, allow_cpu, log)
+    # model.attention / model.remat "auto": chosen for these devices and said, before the run's identity
+    config = resolve_device_defaults(config, devices, log)
     facts = RunFacts.of(config, devices, stop_after=stop_after, fallback_to_intact=fallback_to_intact)
     # Every process must take the same collectives at the same steps: agree on what decides them
-    # (and on the run) before anything else touches the devices.
+    # (and on the run) before the steps touch the devices.
     agree(facts.agreed)
-    devices = _checked_devices(config, devices, workdir, allow_cpu, log)
     paths = (None, None) if task else (config.data.path, config.data.val_path)
     parts = _Parts.build(config, task or build_task(config), devices, facts, paths)
     # A run that fails before it writes a record or checkpoint takes back the empty workdir and files it made.
@@ -199,7 +202,9 @@ class _Loop:
         self.facts, self.batches, self.checkpoints, self.writer, self.signals = (parts.facts, parts.batches,
                                                                                  checkpoints, writer, signals)
         self.run_info = parts.facts.checkpoint_run()
-        self.peak = (peak_flops(devices[0].device_kind) or 0.0) * len(devices)  # all devices' peak; 0: unknown
+        self.kind, self.dtype, self.on_cpu = devices[0].device_kind, config.train.precision, devices[0].platform == "cpu"
+        self.peak_each = peak_flops(self.kind, self.dtype)  # None: unknown (a CPU's: never said to be missing)
+        self.peak = (self.peak_each or 0.0) * len(devices)  # all devices' peak; 0: unknown
         # One process alone decides nothing: the stop request is all-gathered every `check_every` steps.
         self.check_every = parts.facts.stop_check_every(jax.process_count())
         self.final_loss, self.eval_metrics, self.preempted, self.saved = None, {}, False, None
@@ -220,17 +225,17 @@ class _Loop:
             self.profile.done(s, metrics)
             self.writer.advance()
             record = {"step": s}
-            if s == start + 1:  # once compiled: the step's FLOPs, per optimizer step, all devices
-                flops_per_step = step_flops(self.step, state, micro)
+            if s == start + 1:  # once compiled: the model FLOPs per optimizer step, all devices
+                flops, said = self.model_flops(micro)
                 record["compile_s"] = throughput.first_step(metrics)
                 self.writer.log(f"step {s} compiled and ran in {record['compile_s']:.1f} s (left out of samples/s)")
-                record |= memory
+                record |= memory | said
             if facts.logs_at(s, end):
                 m = jax.device_get(metrics)
                 check_finite(s, m, self.config.train.max_nonfinite)
                 record |= train_record(m, state, lr=self.spec.learning_rate(s - 1),
                                         samples=self.config.data.batch_size, steps_per_s=throughput(s),
-                                        flops_per_step=flops_per_step, peak=self.peak)
+                                        flops_per_step=flops and flops.per_step, peak=self.peak)
                 self.final_loss = record["loss"]
 
             # Checkpoint before evaluating: all processes stop at the same step, and the last checkpoint
@@ -249,6 +254,13 @@ class _Loop:
                 self.preempted = True
                 return state, s
         return state, end
+
+    def model_flops(self, micro):
+        """The step's model FLOPs (`step_model_flops`), said once off a CPU, and their record."""
+        flops = step_model_flops(self.task, self.step, micro, self.config.data.batch_size)
+        if not self.on_cpu:
+            self.writer.log(flops_line(flops, self.peak_each, self.kind, self.dtype))
+        return flops, {} if flops is None else {"model_flops_per_step": flops.per_step, "flops_source": flops.source}
 
     def memory(self, state, micro) -> dict:
         """Bytes per device of the state and of the compiled step's peak (`jdp.memory_report`), said at
