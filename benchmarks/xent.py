@@ -56,7 +56,7 @@ def main(argv=None) -> dict:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--vocab", type=int, default=16384)
-    p.add_argument("--chunk", type=int, default=64, help="positions per block of the fused loss")
+    p.add_argument("--chunk", type=int, default=16, help="positions per block of the fused loss")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "xent.md"))
     args = p.parse_args(argv)
     import jax
