@@ -167,6 +167,10 @@ class GPT(nnx.Module):
     `gelu_approximate=False` is the exact erf GELU instead of the tanh approximation;
     `ln_epsilon` is every LayerNorm's epsilon. nanoGPT's GPT is `tie_embeddings=True,
     gelu_approximate=False, ln_epsilon=1e-5` with its `bias` (`jdp.models.gpt_from_nanogpt`).
+
+    The loss without the whole logits: `token_losses(tokens, labels, chunk=N)` runs the head and the
+    cross-entropy N positions at a time (`jdp.models.fused_cross_entropy`); `hidden` is the
+    residual stream that both it and `__call__` start from.
     """
 
     def __init__(self, vocab_size: int, context: int, d_model: int = 64, n_heads: int = 4, n_layers: int = 2,
