@@ -256,6 +256,13 @@ QUICK = (
     "test_shipped.py::test_a_config_is_found_by_name_and_a_file_of_that_path_wins",
     # The GPT's nanoGPT options and weight mapping, torch-free (the parity with nanoGPT needs torch: full tier).
     "test_gpt_options.py",
+    # The fused, chunked cross-entropy: equal to the plain one, less memory, 8 devices = 1, the trainer's option.
+    "test_xent.py::test_fused_equals_plain_in_loss_argmax_and_gradients",
+    "test_xent.py::test_bad_arguments_are_one_sentence",
+    "test_xent.py::test_the_compiled_temporary_memory_is_a_fraction_of_the_plain_loss",
+    "test_xent.py::test_eight_devices_take_the_one_device_step_on_the_global_batch",
+    "test_xent.py::test_model_loss_chunk_takes_the_fused_loss_in_training_and_evaluation",
+    "test_xent.py::test_loss_chunk_on_another_model_is_refused",
 )
 
 

@@ -1188,6 +1188,28 @@ MUTANTS = [
            "if peak_without <= margin * memory:",
            "if peak_without < margin * memory:",
            ("tests/test_device_defaults.py::test_auto_remat_is_off_only_where_the_peak_without_it_fits_with_margin",)),
+    # The fused, chunked cross-entropy (jdp/models/xent.py) and model.loss_chunk.
+    Mutant("xent_chunk_gradient_not_accumulated", "models/xent.py",
+           "return dw + dw_c, dx.astype(x.dtype)", "return dw_c, dx.astype(x.dtype)",
+           ("tests/test_xent.py::test_fused_equals_plain_in_loss_argmax_and_gradients",)),
+    Mutant("xent_log_sum_exp_in_bf16", "models/xent.py",
+           "lse = jax.nn.logsumexp(logits, axis=-1)",
+           "lse = jax.nn.logsumexp(logits.astype(jnp.bfloat16), axis=-1).astype(jnp.float32)",
+           ("tests/test_xent.py::test_fused_equals_plain_in_loss_argmax_and_gradients",)),
+    Mutant("xent_token_weights_ignored", "models/xent.py",
+           "- onehot) * gc[..., None])", "- onehot))",
+           ("tests/test_xent.py::test_fused_equals_plain_in_loss_argmax_and_gradients",)),
+    Mutant("xent_last_partial_chunk_dropped", "models/xent.py",
+           "    t = x.shape[1]\n    n_chunks = -(-t // chunk)\n", "    t = x.shape[1]\n    n_chunks = t // chunk\n",
+           ("tests/test_xent.py::test_fused_equals_plain_in_loss_argmax_and_gradients",)),
+    Mutant("xent_head_gradient_not_per_device", "models/xent.py",
+           "return jax.lax.pcast(zeros, tuple(sorted(axes)), to=\"varying\") if axes else zeros", "return zeros",
+           ("tests/test_xent.py::test_eight_devices_take_the_one_device_step_on_the_global_batch",)),
+    Mutant("loss_chunk_ignored_by_the_task", "run/tasks.py", "    if loss_chunk:\n", "    if False:\n",
+           ("tests/test_xent.py::test_model_loss_chunk_takes_the_fused_loss_in_training_and_evaluation",)),
+    Mutant("loss_chunk_allowed_on_another_model", "run/config.py",
+           "or m.scan_layers or m.loss_chunk):", "or m.scan_layers):",
+           ("tests/test_xent.py::test_loss_chunk_on_another_model_is_refused",)),
 ]
 
 def occurrences(mutant: Mutant, jdp_dir: str) -> int:

@@ -220,3 +220,27 @@ def test_the_partitioners_pinned_forward_is_the_gpts():
     pin = lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P("data")))  # noqa: E731
     got = jax.jit(lambda m, t: pinned_logits(m, t, pin))(model, tokens)
     np.testing.assert_allclose(got, model(tokens, train=False), rtol=1e-5, atol=1e-5)
+
+
+def test_gpu_side_by_side_dry_run_runs_every_row_and_writes_its_report(tmp_path):
+    """benchmarks.gpu_side_by_side --dry-run: every row end to end on this CPU (tiny GPT-2), report.json and
+    report.md; the jax rows start from one init and see the same tokens, so they end at one loss."""
+    import importlib.util
+
+    rows = "jdp,jit,nanogpt,jdp_fused_xent" if importlib.util.find_spec("torch") else "jdp,jit,jdp_fused_xent"
+    r = subprocess.run([sys.executable, "-m", "benchmarks.gpu_side_by_side", "--dry-run", "--rows", rows,
+                        "--fused-update", "--out", str(tmp_path)], cwd=ROOT, env=child_env(), capture_output=True,
+                       text=True, timeout=1800)  # a hang, not a slow machine
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["dry_run"] and report["peak_flops"] is None  # no peak known for a CPU: no MFU
+    assert list(report["rows"]) == rows.split(",") + ["jdp_fused_update"]
+    for row in report["rows"].values():
+        assert row["median_step_s"] > 0 and row["tokens_per_s"] > 0 and row["mfu"] is None
+    losses = [report["rows"][name]["last_loss"] for name in ("jdp", "jit", "jdp_fused_xent", "jdp_fused_update")]
+    np.testing.assert_allclose(losses, losses[0], rtol=1e-3)
+    if "nanogpt" in report["rows"]:
+        assert report["rows"]["nanogpt"]["how"].startswith("eager (torch.compile not used: no CUDA device)")
+    assert report["matmul"]["flops_per_s"] > 0
+    text = (tmp_path / "report.md").read_text()
+    assert text.startswith("# GPT-2 side by side (dry run: tiny sizes)") and "| jdp_fused_xent |" in text

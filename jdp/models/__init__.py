@@ -2,7 +2,9 @@
 
 Models: `MLP`, `CNN` (BatchNorm; `sync_batchnorm=True` for global-batch statistics under
 shard_map/pmap), `GPT` (dropout keys passed at call time; `attention="fused"`, `remat=True`;
-nanoGPT's architecture through its options, and its weights through `gpt_from_nanogpt`).
+nanoGPT's architecture through its options, and its weights through `gpt_from_nanogpt`;
+`GPT.token_losses`: the per-token loss by `fused_cross_entropy`, a chunked head and softmax
+cross-entropy that never builds the whole logits).
 Text from a GPT: `generate` (a key/value cache and a compiled decode loop; greedy, temperature,
 top-k, top-p), `greedy_reference` (the whole forward pass per token, its check).
 Each takes `dtype=`, the compute dtype (`jdp.models.dtypes.compute_dtype`: None/float32 or
@@ -36,6 +38,7 @@ from jdp.models.gpt import GPT
 from jdp.models.mlp import MLP
 from jdp.models.nanogpt import gpt_from_nanogpt
 from jdp.models.nnx_bridge import FunctionalModel, apply_with_state, functional
+from jdp.models.xent import fused_cross_entropy, plain_cross_entropy
 
 
 def param_count(model: nnx.Module) -> int:
@@ -43,5 +46,5 @@ def param_count(model: nnx.Module) -> int:
     return sum(int(x.size) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
-__all__ = ["CNN", "GPT", "MLP", "FunctionalModel", "apply_with_state", "compiled_generate", "functional", "generate",
-           "gpt_from_nanogpt", "greedy_reference", "param_count"]
+__all__ = ["CNN", "GPT", "MLP", "FunctionalModel", "apply_with_state", "compiled_generate", "functional", "fused_cross_entropy",
+           "generate", "gpt_from_nanogpt", "greedy_reference", "param_count", "plain_cross_entropy"]

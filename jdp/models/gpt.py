@@ -29,6 +29,7 @@ from flax import nnx
 from jdp.core.global_view import pin_batch
 from jdp.core.split import gather, gather_layer_axis
 from jdp.models.dtypes import compute_dtype
+from jdp.models.xent import fused_cross_entropy
 
 _EMBED_INIT = nnx.initializers.normal(stddev=0.02)
 ATTENTIONS = ("flax", "fused", "cudnn")
@@ -166,6 +167,10 @@ class GPT(nnx.Module):
     `gelu_approximate=False` is the exact erf GELU instead of the tanh approximation;
     `ln_epsilon` is every LayerNorm's epsilon. nanoGPT's GPT is `tie_embeddings=True,
     gelu_approximate=False, ln_epsilon=1e-5` with its `bias` (`jdp.models.gpt_from_nanogpt`).
+
+    The loss without the whole logits: `token_losses(tokens, labels, chunk=N)` runs the head and the
+    cross-entropy N positions at a time (`jdp.models.fused_cross_entropy`); `hidden` is the
+    residual stream that both it and `__call__` start from.
     """
 
     def __init__(self, vocab_size: int, context: int, d_model: int = 64, n_heads: int = 4, n_layers: int = 2,
@@ -212,6 +217,24 @@ class GPT(nnx.Module):
         from `rngs` (an `nnx.Rngs` with a "dropout" stream, or a bare key); it is required when
         dropout > 0. train=False is deterministic and needs no key.
         """
+        return self.logits(self.hidden(tokens, train=train, rngs=rngs))
+
+    def token_losses(self, tokens: jax.Array, labels: jax.Array, *, chunk: int, train: bool = True,
+                     rngs: nnx.Rngs | jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """int32 tokens and labels (batch, T) → (nll, predicted), each (batch, T): each token's
+        cross-entropy (float32, unreduced) and the head's argmax (int32), through
+        `jdp.models.xent.fused_cross_entropy` with `chunk` positions per block: the (batch, T,
+        vocab_size) logits are never built whole. Equal, to rounding, to
+        `optax.softmax_cross_entropy_with_integer_labels(self(tokens), labels)` and
+        `self(tokens).argmax(-1)`; `train` and `rngs` as in `__call__`."""
+        x = self.ln_f(self.hidden(tokens, train=train, rngs=rngs))
+        w, classes_axis = ((self.tok_embed.embedding[...], 0) if self.tie_embeddings else (self.head.kernel[...], 1))
+        return fused_cross_entropy(x, w, labels, chunk=chunk, classes_axis=classes_axis, dtype=self.tok_embed.dtype)
+
+    def hidden(self, tokens: jax.Array, *, train: bool = True,
+               rngs: nnx.Rngs | jax.Array | None = None) -> jax.Array:
+        """int32 (batch, T) → the residual stream after the last block, (batch, T, d_model) in the
+        compute dtype (before the final LayerNorm); `train` and `rngs` as in `__call__`."""
         if tokens.ndim != 2:
             raise ValueError(f"tokens must have shape (batch, T), got {tokens.shape}.")
         t = tokens.shape[1]
@@ -233,7 +256,7 @@ class GPT(nnx.Module):
             forward = _remat_block_forward if self.remat else _block_forward
             for block in self.blocks:
                 x = pin_batch(forward(block, x, mask, train, rngs))
-        return self.logits(x)
+        return x
 
     @property
     def vocab_size(self) -> int:

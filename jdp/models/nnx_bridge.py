@@ -14,8 +14,13 @@ def apply_with_state(graphdef, params, rest, *args, **kwargs):
     averages after a train-mode call), in the structure of `rest`. Pure: the inputs are not
     modified (`copy=True` merges a private copy, as Flax 0.12 requires).
     """
+    return apply_method_with_state(graphdef, params, rest, "__call__", *args, **kwargs)
+
+
+def apply_method_with_state(graphdef, params, rest, method: str, *args, **kwargs):
+    """`apply_with_state` calling the module's method named `method` (e.g. the GPT's "token_losses")."""
     model = nnx.merge(graphdef, params, rest, copy=True)
-    out = model(*args, **kwargs)
+    out = getattr(model, method)(*args, **kwargs)
     _, _, new_rest = nnx.split(model, nnx.Param, ...)
     return out, new_rest
 
@@ -35,6 +40,10 @@ class FunctionalModel:
     def apply_with_state(self, params, rest, *args, **kwargs):
         """Call the module with `params` and `rest`; returns `(output, new_rest)`."""
         return apply_with_state(self.graphdef, params, rest, *args, **kwargs)
+
+    def apply_method_with_state(self, params, rest, method: str, *args, **kwargs):
+        """Call the module's method `method` with `params` and `rest`; returns `(output, new_rest)`."""
+        return apply_method_with_state(self.graphdef, params, rest, method, *args, **kwargs)
 
 
 def functional(model: nnx.Module) -> FunctionalModel:

@@ -47,7 +47,7 @@ HASH_EXCLUDED = ("data.eval_batch_size", "data.val_path", "data.threads", "data.
 PLACEMENT_ONLY = ("train.accelerator_only",)
 # Identity fields added after checkpoints already existed, with the value every earlier run had:
 # a checkpoint whose identity lacks one resumes when the config keeps that value.
-ADDED_DEFAULTS = {"model.attention": "flax", "model.remat": False, "model.scan_layers": False,
+ADDED_DEFAULTS = {"model.attention": "flax", "model.remat": False, "model.scan_layers": False, "model.loss_chunk": 0,
                   "parallel.reduce_dtype": None,
                   "train.precision": "float32", "data.dtype": "uint16", "data.vocab_size": None}
 
@@ -240,9 +240,10 @@ def validate(config: Config, num_devices: int | None) -> Config:
     if m.sync_batchnorm and m.name != "cnn":
         raise ConfigError(f"model.sync_batchnorm=true needs model.name='cnn' (the model with BatchNorm), "
                           f"got {m.name!r}.")
-    if m.name != "gpt" and (m.attention != "flax" or m.remat or m.scan_layers):
-        key = (f"model.attention={m.attention!r}" if m.attention != "flax" else f"model.remat={str(m.remat).lower()}"
-               if m.remat else "model.scan_layers=true")
+    if m.name != "gpt" and (m.attention != "flax" or m.remat or m.scan_layers or m.loss_chunk):
+        key = (f"model.attention={m.attention!r}" if m.attention != "flax"
+               else f"model.remat={str(m.remat).lower()}" if m.remat
+               else "model.scan_layers=true" if m.scan_layers else f"model.loss_chunk={m.loss_chunk}")
         raise ConfigError(f"{key} applies to the transformer only and needs model.name='gpt', got {m.name!r}.")
     if m.attention == "cudnn" and config.train.precision != "bfloat16":  # (the model checks for a GPU itself)
         raise ConfigError(f"model.attention='cudnn' (cuDNN flash attention) computes in bfloat16 and needs "
@@ -368,8 +369,8 @@ def run_identity(config: Config) -> dict[str, dict[str, Any]]:
     them), and train.accelerator_only (PLACEMENT_ONLY: where a run may start, not what it trains).
     train.steps counts only where the schedule uses it (`schedule_uses_steps`): otherwise the
     first S steps of a longer run are those of an S-step run, so more steps extend a run.
-    Everything else counts, train.precision, parallel.reduce_dtype, model.attention and
-    model.remat included: a resumed run cannot change the arithmetic it trains with
+    Everything else counts, train.precision, parallel.reduce_dtype, model.attention,
+    model.remat and model.loss_chunk included: a resumed run cannot change the arithmetic it trains with
     (`ADDED_DEFAULTS` lets checkpoints written before those fields existed resume).
     """
     d = config.to_dict()

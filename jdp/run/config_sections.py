@@ -102,12 +102,18 @@ class ModelConfig(Section):
     layer whole instead of the model. The same model either way (initial params, dropout masks);
     the checkpoint stacks the layers. Unset, `jdp train` turns it and model.remat on for the gpt
     under parallel.shard_params, and says so. Other models refuse true."""
+    loss_chunk: int = 0
+    """gpt only: 0, the loss from the whole (batch, T, vocab) float32 logits; N > 0, a fused, chunked
+    cross-entropy (jdp.models.fused_cross_entropy): the head matmul and log-sum-exp N positions
+    at a time, the backward pass recomputing each block's logits; the same loss and gradients to
+    rounding, less memory, one more head matmul. 0 by default: on a CPU the fused loss measured
+    slower (docs/performance.md). Other models refuse a value above 0."""
 
     _section: ClassVar[str] = "model"
     _rules: ClassVar[dict[str, Rule]] = dict(
         name=one_of(MODELS), hidden=WIDTHS, channels=TWO_WIDTHS, sync_batchnorm=BOOL, d_model=POSITIVE_INT,
         n_heads=POSITIVE_INT, n_layers=POSITIVE_INT, dropout=UNIT, context=POSITIVE_INT,
-        attention=one_of((*ATTENTIONS, AUTO)), remat=REMAT, scan_layers=BOOL)
+        attention=one_of((*ATTENTIONS, AUTO)), remat=REMAT, scan_layers=BOOL, loss_chunk=COUNT)
 
 
 @dataclass(frozen=True)

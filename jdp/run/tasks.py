@@ -50,22 +50,34 @@ def _token_weights(batch, shape):
     return jnp.ones(shape, jnp.float32) if mask is None else jnp.broadcast_to(mask[:, None], shape)
 
 
-def language_model(fm, description, train, test, bytes_per_token: float | None = None) -> Task:
+def _token_losses(fm, params, model_state, batch, loss_chunk: int, **kwargs):
+    """(nll, predicted, new_state) of a language model's batch: nll (b, T) float32 per token, predicted
+    (b, T) the argmax ids; from the whole logits (loss_chunk 0) or by the GPT's fused, chunked
+    cross-entropy with loss_chunk positions per block (`GPT.token_losses`), equal to rounding."""
+    if loss_chunk:
+        (nll, predicted), new_state = fm.apply_method_with_state(
+            params, model_state, "token_losses", batch["x"], batch["y"], chunk=loss_chunk, **kwargs)
+        return nll, predicted, new_state
+    logits, new_state = fm.apply_with_state(params, model_state, batch["x"], **kwargs)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]), logits.argmax(-1), new_state
+
+
+def language_model(fm, description, train, test, bytes_per_token: float | None = None, loss_chunk: int = 0) -> Task:
     """Per-token means: the loss and accuracy as sums over real tokens with their count (jdp.Weighted).
-    `bytes_per_token`: UTF-8 bytes of text per held-out token, for bits per byte (None: unknown)."""
+    `bytes_per_token`: UTF-8 bytes of text per held-out token, for bits per byte (None: unknown).
+    `loss_chunk`: 0, the loss from the whole logits; else the GPT's fused cross-entropy with that
+    many positions per block (model.loss_chunk), in training and evaluation."""
     def loss_fn(params, model_state, batch, rng):
-        logits, new_state = fm.apply_with_state(params, model_state, batch["x"], train=True, rngs=rng)
+        nll, predicted, new_state = _token_losses(fm, params, model_state, batch, loss_chunk, train=True, rngs=rng)
         w = _token_weights(batch, batch["y"].shape)
-        nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
-        correct = (logits.argmax(-1) == batch["y"]).astype(jnp.float32)
+        correct = (predicted == batch["y"]).astype(jnp.float32)
         return Weighted(jnp.sum(w * nll), jnp.sum(w)), ({"accuracy": Weighted(jnp.sum(w * correct), jnp.sum(w))},
                                                          new_state)
 
     def metric_fn(params, model_state, batch):
-        logits, _ = fm.apply_with_state(params, model_state, batch["x"], train=False)
+        nll, predicted, _ = _token_losses(fm, params, model_state, batch, loss_chunk, train=False)
         w = jnp.ones(batch["y"].shape, jnp.float32)  # the evaluation leaves padded windows out itself
-        return {"loss": Weighted(w * optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]), w),
-                "accuracy": Weighted(w * (logits.argmax(-1) == batch["y"]), w)}
+        return {"loss": Weighted(w * nll, w), "accuracy": Weighted(w * (predicted == batch["y"]), w)}
 
     return Task(fm.params, fm.rest, loss_fn, metric_fn, train, test, description, per_token=True,
                 bytes_per_token=bytes_per_token)
@@ -189,7 +201,7 @@ def gpt_task(config, vocab_size: int, rngs, description: str, train, test, bytes
     m = config.model
     fm = functional(gpt_for(config, vocab_size, rngs))
     per_token = gpt_flops_per_token(gpt_params_without_position(fm.params), m.n_layers, m.d_model, m.context)
-    return dataclasses.replace(language_model(fm, description, train, test, bytes_per_token),
+    return dataclasses.replace(language_model(fm, description, train, test, bytes_per_token, m.loss_chunk),
                                flops_per_example=per_token * m.context, flops_source=GPT_SOURCE)
 
 
