@@ -28,10 +28,11 @@ LAYOUTS = {"replicated": {}, "zero1": {"shard_optimizer_state": True}, "fsdp": {
 
 
 def fit_sizes(plan: Plan) -> dict:
-    """The search's first two probes (global batches), the step between candidates, and the timed run's steps."""
+    """The search's first two probes (global batches), the step between candidates, the most compiles,
+    the timed run's steps, and the remat settings searched (a rehearsal: the first only, same code)."""
     if plan.name == "dry":
-        return {"probes": (2, 4), "quantum": 1, "steps": 1, "max_compiles": 6}
-    return {"probes": (64, 128), "quantum": 8, "steps": 3, "max_compiles": 7}
+        return {"probes": (2, 4), "quantum": 2, "steps": 1, "max_compiles": 8, "remat": (True,)}
+    return {"probes": (64, 128), "quantum": 8, "steps": 3, "max_compiles": 7, "remat": (True, False)}
 
 
 def compiled_bytes(stats) -> int:
@@ -43,21 +44,23 @@ def compiled_bytes(stats) -> int:
 
 
 def next_probe(probes: dict, limit: float, quantum: int) -> int | None:
-    """The next global batch to compile, from `probes` {batch: bytes}: the linear fit's guess of the
-    largest batch under `limit` until one fits and one does not, then the middle of the two;
-    None once they are `quantum` (or 3%) apart. Memory is ~ fixed + per-window × batch."""
-    fits = [b for b, m in probes.items() if m <= limit]
-    over = [b for b, m in probes.items() if m > limit]
-    lo, hi = max(fits, default=0), min(over, default=None)
-    if hi is not None and hi - lo <= max(quantum, lo // 32):
+    """The next global batch to compile, from `probes` {batch: bytes}: where the line through two
+    probes crosses `limit` (memory is ~ fixed + per-window × batch), through the two largest until
+    one is too large, then through the largest that fits and the smallest that does not (the middle
+    where the line points outside them); None once those two are `quantum` (or 3%) apart."""
+    fits = sorted(b for b, m in probes.items() if m <= limit)
+    over = sorted(b for b, m in probes.items() if m > limit)
+    if over and fits and over[0] - fits[-1] <= max(quantum, fits[-1] // 32):
         return None
-    (b0, m0), (b1, m1) = sorted(probes.items())[-2:] if hi is None else sorted(probes.items())[:2]
+    b0, b1 = (fits[-1], over[0]) if over and fits else sorted(probes)[-2:] if not over else (0, over[0])
+    m0, m1 = probes.get(b0, 0), probes[b1]
     per = max((m1 - m0) / (b1 - b0), 1.0)
-    guess = int((limit - (m0 - per * b0)) / per) // quantum * quantum
-    if hi is None:  # no batch known too large: the guess, or 25% past the largest that fits
-        return guess if guess > lo else lo + max(quantum, lo // 4 // quantum * quantum)
-    mid = (lo + hi) // 2 // quantum * quantum
-    return mid if lo < mid < hi else None
+    guess = int(b0 + (limit - m0) / per) // quantum * quantum
+    if not over:  # nothing known too large: the line's guess, or 25% past the largest that fits
+        return guess if guess > b1 else b1 + max(quantum, b1 // 4 // quantum * quantum)
+    lo = fits[-1] if fits else 0
+    mid = (lo + over[0]) // 2 // quantum * quantum
+    return guess if lo < guess < over[0] else (mid if lo < mid < over[0] else None)
 
 
 def search(compile_at, limit_of, sizes: dict, deadline: float, reserve: float, on_probe) -> int | None:
@@ -112,7 +115,7 @@ def part_fit(plan: Plan, emit, seconds: float) -> None:
     sizes, device, out = fit_sizes(plan), jax.devices()[0], {}
     context, vocab, limit = plan.gpt["context"], plan.gpt["vocab"], limit_of(jax.devices()[0])
     rng = np.random.default_rng(0)
-    for remat in (True, False):
+    for remat in sizes["remat"]:
         params, loss_fn = gpt_model(**plan.gpt, precision="bfloat16", attention="fused", remat=remat)
         step = jdp.make_train_step(loss_fn, optax.adamw(3e-4, weight_decay=0.1), precision="bfloat16", audit=False)
         state, compiled = step.init(params), {}
