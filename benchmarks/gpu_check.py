@@ -1,23 +1,25 @@
 """benchmarks/gpu_check.sh: what one GPU (an H200) can tell about jdp in at most 8 minutes, in ONE
 markdown report (default $OUT/gpu_check.md where OUT is set, else benchmarks/results/gpu_check.md).
 
-  (a) tests      the suite's files that never ask for more than one device, on the GPU
-                 (JDP_TEST_PLATFORM=cuda), each file in its own pytest with a time limit
-  (b) throughput GPT-2 small (configs/gpt2_small.yaml's model) float32 vs bfloat16 through
-                 jdp's step `precision=`: step time, tokens/s, MFU
-  (c) largest    the largest global batch that fits, bfloat16, remat on and off
-  (d) exactness  (i) bf16 compute vs float32 on the GPU, (ii) a 1-device step with
-                 reduce_dtype=bf16 (no all-reduce at N=1) and what its compiled HLO keeps, and
-                 (iii) `jdp explain`'s bf16 gradient communication on 8 fake CPU devices (CPU!)
-  (e) fsdp       replicated / ZeRO-1 / FSDP (shard_params) compiled by XLA's GPU compiler for 8
-                 mocked GPUs (jax_mock_gpu_topology: compiled, never run): bytes per device, XLA's
-                 peak under the GPU scheduler, the collectives and how many are asynchronous
+On the GPU, one after another, each under min(its budget, time left before the deadline):
+  env         Python, jax/flax/optax versions, the device, its peak FLOP/s and memory limit
+  exactness   (d) bf16 compute vs float32 on the device; a 1-device reduce_dtype=bf16 step's HLO
+  tests       (a) test selections that need one device, quickest first, each under its own limit
+              (benchmarks.gpu_check_cmds.TESTS); per test: passed / failed / skipped / not run
+  throughput  (b) GPT-2 small float32 vs bfloat16 (and bf16 with cuDNN attention): tokens/s, MFU
+  fit         (c) the largest batch from XLA's memory analysis of the compiled step (nothing runs
+              while it searches), then one timed run at it (benchmarks.gpu_check_parts)
+  decode      (f) `python -m benchmarks.sample`
+  side_by_side (g) `python -m benchmarks.gpu_side_by_side --out DIR`, where the module exists
+On the CPU, beside them from the start (fake CPU devices, JAX_PLATFORMS=cpu):
+  cpu_bf16_comm (d iii) `jdp explain`'s bf16 gradient communication
+  layouts     (e) replicated / ZeRO-1 / FSDP / jit compiled for 8 fake CPU devices (no GPU topology
+              is mocked: one cannot sit beside a real GPU)
 
-Each part runs in its own process (benchmarks/gpu_parts.py) under a time limit of min(its budget,
-time left before the deadline), so a failing or slow part leaves its error and partial results
-and the others still run; the report is rewritten after every part. (d iii) runs on the CPU in
-the background from the start. `--dry-run` (or JDP_GPU_CHECK_DRY_RUN=1) runs the same code on
-this CPU with a tiny GPT, a few steps and two test files, and writes gpu_check_dry_run.md.
+Each part runs in its own process, so a failing or slow part leaves its error and partial results
+and the others still run; the report (benchmarks.gpu_check_report) is rewritten after every part.
+`--dry-run` (or JDP_GPU_CHECK_DRY_RUN=1) runs every part on this CPU with a tiny GPT, the first
+test selection and a few steps, and writes gpu_check_dry_run.md.
 """
 from __future__ import annotations
 
@@ -103,7 +105,8 @@ def run_gpu_part(name: str, plan, work: str, budget: float) -> dict:
     if name == "tests":  # the tests' float32 tolerances assume IEEE f32 matmuls, not TF32
         env = part_env(None, JDP_TEST_PLATFORM=plan.test_platform, XLA_PYTHON_CLIENT_PREALLOCATE="false",
                        JAX_DEFAULT_MATMUL_PRECISION="highest")
-        return {"status": "ok", "result": run_tests(plan, env, t + budget), "seconds": round(time.perf_counter() - t, 1)}
+        result = run_tests(plan, env, t + budget)
+        return {"status": "ok", "result": result, "seconds": round(time.perf_counter() - t, 1)}
     if name == "decode":
         return run_decode(plan, env, budget)
     if name == "side_by_side":

@@ -26,7 +26,8 @@ from benchmarks.gpu_parts import ROOT
 # has none), plus pytest's and jax's start (~10 s); the CPU costs are in docs/performance.md.
 TESTS = (
     ("tests/test_precision.py", "test_bad_dtypes_are_refused or test_bf16_master_params_are_refused or "
-                                "test_bf16_mean_divides_before_it_sums or test_bf16_compute_is_in_the_program", 25, True),
+                                "test_bf16_mean_divides_before_it_sums or test_bf16_compute_is_in_the_program",
+     25, True),
     ("tests/test_data_order.py", "", 15, False),
     ("tests/test_model_precision.py", "test_remat_is_in_the_jaxpr or test_bad_dtype_is_a_one_sentence or "
                                       "test_bf16_compute_with_float32_params_logits_and_gradients and mlp", 40, False),

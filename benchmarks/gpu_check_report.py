@@ -30,7 +30,8 @@ def headline(name: str, part: dict | None) -> str | None:
     r = (part or {}).get("result") or {}
     try:
         if name == "env":
-            return f"{r['device_kind']}, memory limit {g._num(r['memory_limit_bytes'], '{:,}')} B"
+            return (f"{r['device_kind']}, {len(r['devices'])} device(s), memory limit "
+                    f"{g._num(r['memory_limit_bytes'], '{:,}')} B")
         if name == "tests":
             tot = {k: sum(f.get(k, 0) for f in r["files"]) for k in ("passed", "failed", "error", "not run")}
             files_not_run = sum(f["status"].startswith("not run") for f in r["files"])
@@ -48,7 +49,7 @@ def headline(name: str, part: dict | None) -> str | None:
         if name == "exactness":
             return f"sgd bf16 compute vs float32: {r['runs']['sgd: bfloat16 compute']['vs_float32_here']:.1e}"
         if name == "cpu_bf16_comm":
-            return f"bf16 all-reduce, worst |Δparam| / moved: {g._share(max(x['relative'] for x in r['rows']))}"
+            return f"bf16 all-reduce, worst max Δparam / moved: {g._share(max(x['relative'] for x in r['rows']))}"
         if name == "layouts":
             runs = next(iter(r["runs"].values()))
             return ", ".join(f"{k} peak {v['peak']:,} B" for k, v in runs.items() if "peak" in v) or None
@@ -123,7 +124,8 @@ def _layouts(part: dict | None) -> list[str]:
                 continue
             c = x["collectives"]
             rows.append([layout, f"{x['argument']:,}", f"{x['temp']:,}", f"{x['peak']:,}",
-                         *[f"{c[k]['count']} / {c[k]['bytes']:,}" for k in ("all-reduce", "reduce-scatter", "all-gather")],
+                         *[f"{c[k]['count']} / {c[k]['bytes']:,}"
+                           for k in ("all-reduce", "reduce-scatter", "all-gather")],
                          x["compile_s"]])
         lines += g._table(["layout", "arguments B", "temporaries B", "XLA peak B", "all-reduce", "reduce-scatter",
                            "all-gather", "compile s"], rows) + [""]
@@ -139,7 +141,8 @@ def _command(title: str, part: dict | None) -> list[str]:
         if r.get("first_line"):
             lines += [r["first_line"], ""]
         for name, text in r.get("markdown", {}).items():  # its own report, headings moved two levels down
-            lines += [f"`{name}`:", ""] + [("##" + x if x.startswith("#") else x) for x in text.strip().splitlines()] + [""]
+            moved = [("##" + x if x.startswith("#") else x) for x in text.strip().splitlines()]
+            lines += [f"`{name}`:", ""] + moved + [""]
         if r.get("rows") and not r.get("markdown"):
             head = list(r["rows"][0])
             lines += g._table(head, [[row.get(h, "") for h in head] for row in r["rows"]]) + [""]

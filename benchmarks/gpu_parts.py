@@ -250,7 +250,8 @@ def compiled_layouts(plan: Plan, n: int, devices, layouts: dict) -> dict:
     return out
 
 
-PARTS = {"env": part_env, "exactness": part_exactness, "throughput": part_throughput, "cpu_bf16_comm": part_cpu_bf16_comm}
+PARTS = {"env": part_env, "exactness": part_exactness, "throughput": part_throughput,
+         "cpu_bf16_comm": part_cpu_bf16_comm}
 
 
 def main(argv) -> int:

@@ -156,7 +156,8 @@ def test_gpu_check_sizes_and_pytest_outcomes():
     assert pytest_outcomes(cut_off) == {"passed": 1, "failed": 1, "not run": 2}  # stopped at its time limit
     assert pytest_outcomes("collected 2 items\ntests/x.py::a PASSED\ntests/x.py::b SKIPPED (no torch)\n") == {
         "passed": 1, "skipped": 1, "not run": 0}
-    assert markdown_rows("cpu\n\n| model | tokens/s |\n|---|---|\n| a | 1,000 |\nend") == [{"model": "a", "tokens/s": "1,000"}]
+    table = "cpu\n\n| model | tokens/s |\n|---|---|\n| a | 1,000 |\nend"
+    assert markdown_rows(table) == [{"model": "a", "tokens/s": "1,000"}]
 
 
 def test_gpu_check_batch_search_bisects_on_compiled_bytes():
