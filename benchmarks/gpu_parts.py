@@ -31,15 +31,10 @@ class Plan:
     flash: bool  # also bf16 with attention="cudnn" (cuDNN flash attention: GPUs only)
     steps: int  # timed steps per repeat
     repeats: int
-    candidates: dict  # "on"/"off" (remat) -> global batches to try, largest first
-    search_steps: int  # timed steps per fitting batch in the search (1 repeat)
     explain_ns: tuple  # fake CPU device counts of explain's bf16 section
-    fsdp_ns: tuple  # device counts the fsdp part compiles for (mocked GPUs; fake CPU devices when dry)
-    fsdp_layouts: tuple  # which of "replicated", "zero1", "fsdp" it compiles
+    fsdp_ns: tuple  # fake CPU device counts the layouts part compiles for (benchmarks.gpu_check_parts)
     optimizers: tuple  # of the exactness part (explain's specs)
     test_platform: str  # JDP_TEST_PLATFORM for the tests part
-    test_files: int  # how many of gpu_check.TESTS to run (dry: the first few)
-    test_timeout_s: int  # per test file
     budgets: dict  # part -> seconds at most
     deadline_s: int  # the whole check, from its start
 
@@ -57,28 +52,22 @@ def gpt2_small() -> dict:
 
 
 def full_plan() -> Plan:
-    """One H200, ≤ 8 minutes: budgets sum past the deadline; each part gets min(budget, time left)."""
+    """One H200, ≤ 8 minutes: the parts on the GPU run one after another, each under min(its budget,
+    time left); the two CPU parts (fake devices) run beside them from the start. On the H200
+    (2026-12-04) env took 3 s, exactness 13 s, throughput 105 s (three compiles of 14-30 s)."""
     cfg = gpt2_small()
-    # Memory per 1,024-token window, bf16, "fused" attention (XLA's: it keeps the (heads, T, T)
-    # probabilities): ~0.7-1 GB kept for the backward pass without remat, ~0.1 GB with it (block
-    # inputs, one block recomputed at a time), so ~130-190 and ~1,300 windows in 134 GB. Three
-    # candidates each, a factor of 2 apart, largest first: each try compiles (tens of seconds).
-    return Plan("full", cfg["gpt"], cfg["remat"], cfg["batch"], flash=True, steps=10, repeats=2,
-                candidates={"on": (2048, 1024, 512), "off": (256, 128, 64)}, search_steps=2,
-                explain_ns=(2, 4, 8), fsdp_ns=(8,), fsdp_layouts=("replicated", "zero1", "fsdp"),
-                optimizers=("sgd", "adam"), test_platform="cuda", test_files=99, test_timeout_s=60,
-                budgets={"env": 40, "exactness": 60, "throughput": 150, "tests": 110, "fsdp": 100,
-                         "largest_batch": 170, "cpu_bf16_comm": 240}, deadline_s=450)
+    return Plan("full", cfg["gpt"], cfg["remat"], cfg["batch"], flash=True, steps=5, repeats=2,
+                explain_ns=(2, 4, 8), fsdp_ns=(8,), optimizers=("sgd", "adam"), test_platform="cuda",
+                budgets={"env": 40, "exactness": 40, "tests": 90, "throughput": 110, "fit": 110, "decode": 45,
+                         "side_by_side": 150, "cpu_bf16_comm": 240, "layouts": 400}, deadline_s=450)
 
 
 # A rehearsal checks that every part runs and reports, not how fast: on a loaded CPU the same parts take
 # minutes, so its limits only guard against a hang (the GPU plan's budgets are the ones that matter).
 DRY = Plan("dry", {"vocab": 32, "context": 16, "d_model": 32, "n_heads": 2, "n_layers": 1}, True, 8, flash=False,
-           steps=2, repeats=1, candidates={"on": (16, 8), "off": (16, 8)}, search_steps=1, explain_ns=(2,),
-           fsdp_ns=(2,), fsdp_layouts=("fsdp",), optimizers=("sgd",), test_platform="cpu", test_files=2,
-           test_timeout_s=600,
-           budgets=dict.fromkeys(("env", "exactness", "throughput", "tests", "fsdp", "largest_batch", "cpu_bf16_comm"),
-                                 600), deadline_s=1800)
+           steps=2, repeats=1, explain_ns=(2,), fsdp_ns=(2,), optimizers=("sgd",), test_platform="cpu",
+           budgets=dict.fromkeys(("env", "exactness", "tests", "throughput", "fit", "decode", "side_by_side",
+                                  "cpu_bf16_comm", "layouts"), 600), deadline_s=1800)
 
 
 def plan_named(name: str) -> Plan:
@@ -195,26 +184,6 @@ def part_throughput(plan: Plan, emit) -> None:
         emit(out)
 
 
-def part_largest_batch(plan: Plan, emit) -> None:
-    """(c) the largest global batch that fits, bf16, remat on and off (`largest_fitting`, largest first)."""
-    from benchmarks.gpu import gpt_benchmark
-
-    out = {}
-    for key, remat in (("on", True), ("off", False)):
-        tries = []
-        out[f"remat {key}"] = {"candidates": list(plan.candidates[key]), "tries": tries}
-
-        def on_try(batch, outcome, seconds, tries=tries):
-            tries.append({"batch": batch, "outcome": outcome, "seconds": round(seconds, 1)})
-            emit(out)
-
-        result = gpt_benchmark(**plan.gpt, batch_candidates=plan.candidates[key], steps=plan.search_steps,
-                               repeats=1, precision="bfloat16", attention="fused", remat=remat,
-                               log=lambda *a: None, on_try=on_try)
-        out[f"remat {key}"].update(result)
-        emit(out)
-
-
 def part_cpu_bf16_comm(plan: Plan, emit) -> None:
     """(d iii) `jdp explain`'s bf16 gradient communication on fake CPU devices (JAX_PLATFORMS=cpu)."""
     import jdp.cpu
@@ -229,8 +198,9 @@ def part_cpu_bf16_comm(plan: Plan, emit) -> None:
     emit({"platform": "CPU, fake devices", **section, "seconds": round(time.perf_counter() - t0, 1)})
 
 
-def _compiled_layouts(plan: Plan, n: int, devices) -> dict:
-    """The GPT's bf16 AdamW step for `n` of `devices` in each layout, lowered from abstract values
+def compiled_layouts(plan: Plan, n: int, devices, layouts: dict) -> dict:
+    """The GPT's bf16 AdamW step for `n` of `devices` in each of `layouts` (name -> make_train_step
+    options), lowered from abstract values
     (shapes and shardings only: nothing is placed or run) and compiled: XLA's memory analysis and
     the compiled program's collectives."""
     import re
@@ -252,8 +222,7 @@ def _compiled_layouts(plan: Plan, n: int, devices) -> dict:
         return optax.softmax_cross_entropy_with_integer_labels(model(batch["x"], train=False), batch["y"]).mean()
 
     out = {}
-    for layout in plan.fsdp_layouts:
-        options = {"replicated": {}, "zero1": {"shard_optimizer_state": True}, "fsdp": {"shard_params": True}}[layout]
+    for layout, options in layouts.items():
         t0 = time.perf_counter()
         model = GPT(g["vocab"], g["context"], d_model=g["d_model"], n_heads=g["n_heads"], n_layers=g["n_layers"],
                     dropout=0.0, dtype="bfloat16", attention="fused", remat=plan.remat, rngs=nnx.Rngs(0))
@@ -281,28 +250,8 @@ def _compiled_layouts(plan: Plan, n: int, devices) -> dict:
     return out
 
 
-def part_fsdp(plan: Plan, emit) -> None:
-    """(e) replicated / ZeRO-1 / FSDP as XLA's compiler for this backend builds them for N devices:
-    bytes per device (arguments, temporaries, XLA's peak) and the compiled collectives. On one GPU
-    the N GPUs are mocked (jax_mock_gpu_topology, mock NCCL): everything is compiled, nothing runs.
-    The dry run compiles for fake CPU devices instead."""
-    import jax
-
-    if plan.name == "dry":
-        import jdp.cpu
-
-        jdp.cpu.use_cpu_devices(max(plan.fsdp_ns))
-    else:
-        jax.config.update("jax_mock_gpu_topology", f"1x1x{max(plan.fsdp_ns)}")
-    devices = jax.devices()
-    out = {"backend": jax.default_backend(), "devices": [str(d) for d in devices[:max(plan.fsdp_ns)]], "runs": {}}
-    for n in plan.fsdp_ns:
-        out["runs"][str(n)] = _compiled_layouts(plan, n, devices)
-        emit(out)
-
-
-PARTS = {"env": part_env, "exactness": part_exactness, "throughput": part_throughput, "fsdp": part_fsdp,
-         "largest_batch": part_largest_batch, "cpu_bf16_comm": part_cpu_bf16_comm}
+PARTS = {"env": part_env, "exactness": part_exactness, "throughput": part_throughput,
+         "cpu_bf16_comm": part_cpu_bf16_comm}
 
 
 def main(argv) -> int:

@@ -145,23 +145,48 @@ def test_largest_fitting_reports_each_try():
     assert tries == [(16, "out of memory"), (8, "fits")]
 
 
-def test_gpu_check_sizes_and_pytest_counts():
-    from benchmarks.gpu_check import TESTS, pytest_counts
+def test_gpu_check_sizes_and_pytest_outcomes():
+    from benchmarks.gpu_check_cmds import TESTS, markdown_rows, pytest_outcomes
     from benchmarks.gpu_parts import DRY, full_plan
 
     plan = full_plan()  # configs/gpt2_small.yaml's model: GPT-2 small
     assert {k: plan.gpt[k] for k in ("d_model", "n_layers", "n_heads", "context")} == {
         "d_model": 768, "n_layers": 12, "n_heads": 12, "context": 1024}
     assert plan.deadline_s <= 450  # the GPU machine's 8 minutes; a dry run's limits only guard a hang
-    assert DRY.deadline_s >= 1800 and min(DRY.budgets.values()) >= 600 and DRY.test_timeout_s >= 600
-    assert all(os.path.exists(os.path.join(ROOT, f)) for f, _ in TESTS)
-    assert pytest_counts("..F\nFAILED tests/x.py::t - assert\n1 failed, 2 passed, 1 error in 3.21s\n") == {
-        "failed": 1, "passed": 2, "error": 1}
-    assert pytest_counts("no summary") == {}
+    assert DRY.deadline_s >= 1800 and min(DRY.budgets.values()) >= 600
+    assert all(os.path.exists(os.path.join(ROOT, f)) for f, *_ in TESTS) and TESTS[0][3]  # the dry run takes the first
+    cut_off = "collected 5 items / 1 deselected / 4 selected\ntests/x.py::a PASSED [ 25%]\ntests/x.py::b[1 2] FAILED\n"
+    assert pytest_outcomes(cut_off) == {"passed": 1, "failed": 1, "not run": 2}  # stopped at its time limit
+    assert pytest_outcomes("collected 2 items\ntests/x.py::a PASSED\ntests/x.py::b SKIPPED (no torch)\n") == {
+        "passed": 1, "skipped": 1, "not run": 0}
+    table = "cpu\n\n| model | tokens/s |\n|---|---|\n| a | 1,000 |\nend"
+    assert markdown_rows(table) == [{"model": "a", "tokens/s": "1,000"}]
 
 
-def test_gpu_check_dry_run_writes_one_report(tmp_path):
-    """benchmarks/gpu_check.sh --dry-run: the whole check on this CPU (tiny GPT, one device), one report."""
+def test_gpu_check_batch_search_bisects_on_compiled_bytes():
+    """The largest batch from compiled bytes alone: the linear guess, then halving between a batch that
+    fits and one that does not, down to the quantum; no compile past the deadline."""
+    import time
+
+    from benchmarks.gpu_check_parts import next_probe, search
+
+    need = lambda b: 1000 + 30 * b + (400 if b > 150 else 0)  # noqa: E731 - not linear: the guess overshoots
+    sizes = {"probes": (8, 16), "quantum": 8, "max_compiles": 10}
+    seen = []
+    best = search(lambda b: (need(b), 0.0), lambda p: 7000.0, sizes, time.perf_counter() + 60, 0.0,
+                  lambda b, m, s: seen.append(b))
+    assert need(best) <= 7000 < need(best + 8) and seen[:3] == [8, 16, 200], (best, seen)
+    assert next_probe({8: 1240, 16: 1480}, 7000.0, 8) == 200  # (7000 - 1000) / 30, down to a multiple of 8
+    assert next_probe({8: 1240, 184: 6520, 192: 7160}, 7000.0, 8) is None  # a quantum apart: found
+    late = search(lambda b: (need(b), 5.0), lambda p: 7000.0, sizes, time.perf_counter() + 1, 0.0, lambda *a: None)
+    assert late == 8  # the first compile took 5 s: none more fits in the 1 s left
+
+
+def test_gpu_check_dry_run_leaves_a_number_in_every_part(tmp_path):
+    """benchmarks/gpu_check.sh --dry-run: every part of the full check on this CPU (tiny GPT, one device),
+    one report whose summary has a number, or one line saying why none, for each part."""
+    from benchmarks.gpu_check_report import ORDER
+
     out = tmp_path / "report.md"
     env = {**os.environ, "JDP_PYTHON": sys.executable}
     r = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_check.sh"), "--dry-run", "--out", str(out)],
@@ -169,25 +194,35 @@ def test_gpu_check_dry_run_writes_one_report(tmp_path):
     assert r.returncode == 0 and f"report written to {out}" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
     text = out.read_text()
     assert text.startswith("# jdp GPU check (dry)") and "DRY RUN on a CPU" in text
+    assert "Install: nothing to install: jdp's requirements are all there" in text
     parts = json.loads(text.split("```json\n")[1].split("\n```")[0])["parts"]
-    assert {k: p["status"] for k, p in parts.items()} == dict.fromkeys(
-        ("env", "exactness", "throughput", "tests", "fsdp", "largest_batch", "cpu_bf16_comm"), "ok")
-    fsdp = parts["fsdp"]["result"]["runs"]["2"]["fsdp"]  # compiled for 2 fake CPU devices
-    assert fsdp["collectives"]["reduce-scatter"]["count"] == 1 and fsdp["collectives"]["all-gather"]["count"] > 1
-    assert "## (e) Replicated / ZeRO-1 / FSDP" in text
+    side = "not run: benchmarks.gpu_side_by_side is not in this checkout"  # until that benchmark lands
+    assert set(parts) == set(ORDER) and all(p["status"] in ("ok", side) for p in parts.values()), parts
+    summary = text.split("## Summary")[1].split("\n## ")[0]
+    rows = [line.split(" | ") for line in summary.splitlines()[4:] if line.startswith("| ")]
+    assert len(rows) == len(ORDER) and all(any(c.isdigit() for c in row[3]) or side in row[3] for row in rows), summary
     assert parts["env"]["result"]["backend"] == "cpu" and len(parts["env"]["result"]["devices"]) == 1
-    files = parts["tests"]["result"]["files"]
-    assert files and all(f["passed"] > 0 and not f.get("failed") and not f.get("error") for f in files)
+    files = [f for f in parts["tests"]["result"]["files"] if "seconds" in f]
+    assert files and all(f["passed"] > 0 and not f.get("failed") and not f.get("not run") for f in files)
     bench = parts["throughput"]["result"]
     assert {p: b["precision"] for p, b in bench.items()} == {"float32": "float32", "bfloat16": "bfloat16"}
     assert all(b["tokens_per_s"] > 0 and b["mfu"] is None for b in bench.values())  # no peak for a CPU
-    assert [s["global_batch"] for s in parts["largest_batch"]["result"].values()] == [16, 16]
+    fit = parts["fit"]["result"]["remat on"]  # the pretend limit (3x the second probe) made it bisect
+    fits = [p["batch"] for p in fit["probes"] if p["bytes"] <= fit["limit_bytes"]]
+    over = [p["batch"] for p in fit["probes"] if p["bytes"] > fit["limit_bytes"]]
+    assert fit["global_batch"] == max(fits) > 4 and over and min(over) == fit["global_batch"] + 2, fit  # quantum 2
+    assert fit["timed"]["tokens_per_s"] > 0 and fit["timed"]["steps"] == 1
     runs = parts["exactness"]["result"]["runs"]
     assert runs["sgd: bfloat16 compute"]["vs_float32_here"] > 1e-5  # bf16 compute rounds
     assert runs["sgd: float32, default matmul precision"]["vs_float32_here"] == 0.0  # CPU: highest is the default
     comm = parts["cpu_bf16_comm"]["result"]
     assert comm["platform"] == "CPU, fake devices" and comm["program_allreduce_bytes"]["bfloat16"] < \
         comm["program_allreduce_bytes"]["float32"]
+    layouts = parts["layouts"]["result"]["runs"]["2"]  # compiled for 2 fake CPU devices
+    assert set(layouts) == {"replicated", "zero1", "fsdp", "jit", "model"} and "error" not in str(layouts), layouts
+    assert layouts["fsdp"]["collectives"]["reduce-scatter"]["count"] == 1 and layouts["fsdp"]["collectives"][
+        "all-gather"]["count"] > 1 and layouts["replicated"]["collectives"]["all-gather"]["count"] == 0
+    assert parts["decode"]["result"]["rows"] and "## (f) Decoding speed" in text
 
 
 def test_global_view_quick_writes_the_side_by_side_table(tmp_path):
