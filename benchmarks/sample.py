@@ -115,9 +115,11 @@ def measure(shape, batch: int, new: int, repeats: int, uncached: bool, peer: boo
     return row
 
 
-def _cell(row, key, fmt="{:,.0f}") -> str:
+def _cell(row, key, fmt=None) -> str:
     value = row.get(key)
-    return "—" if value is None else ("yes" if value is True else "no" if value is False else fmt.format(value))
+    if value is None or isinstance(value, bool):
+        return {None: "—", True: "yes", False: "no"}[value]
+    return fmt.format(value) if fmt else f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
 
 
 def main(argv=None) -> int:
