@@ -843,8 +843,8 @@ MUTANTS = [
            '_number(0.0, 1.0, "in (0, 1]", closed_low=False)',
            '_number(0.0, None, "in (0, 1]", closed_low=False)',
            ("tests/test_sample.py", "-k", "bad_sample_arguments")),
-    Mutant("sample_stops_at_a_damaged_checkpoint", "run/checkpoint.py",
-           'log(f"{e.finding}; trying the one before it")\n                continue',
+    Mutant("sample_stops_at_a_damaged_checkpoint", "run/checkpoint_reading.py",
+           'log(f"{e.finding}; trying the one before it")',
            'raise',
            ("tests/test_sample.py", "-k", "damaged")),
     # prepare-tokens: its tokenizers, meta.json, and what jdp train takes from it.
@@ -1210,6 +1210,28 @@ MUTANTS = [
     Mutant("loss_chunk_allowed_on_another_model", "run/config.py",
            "or m.scan_layers or m.loss_chunk):", "or m.scan_layers):",
            ("tests/test_xent.py::test_loss_chunk_on_another_model_is_refused",)),
+    # Decoding and jdp sample beside a running jdp train: the cache updated in place, a key per token, a
+    # checkpoint rotated away mid-read, a damaged one said in one line.
+    Mutant("decode_cache_writes_the_wrong_slot", "models/decode.py",
+           "at = (layer, 0, start, 0, 0)",
+           "at = (layer, 0, start + 1, 0, 0)",  # each token's keys one slot late
+           ("tests/test_generate.py", "-k", "greedy_equals")),
+    Mutant("decode_cache_writes_the_wrong_layer", "models/decode.py",
+           "at = (layer, 0, start, 0, 0)",
+           "at = (0, 0, start, 0, 0)",  # every layer writes layer 0's slice
+           ("tests/test_generate.py", "-k", "greedy_equals")),
+    Mutant("decode_same_key_every_token", "models/decode.py",
+           "pick(logits[:, 0], jax.random.fold_in(key, i),",
+           "pick(logits[:, 0], jax.random.fold_in(key, 0),",
+           ("tests/test_generate.py", "-k", "own_key")),
+    Mutant("sample_calls_a_removed_checkpoint_damaged", "run/checkpoint_reading.py",
+           "if not os.path.isdir(os.path.join(directory, str(number))):",
+           "if False:",
+           ("tests/test_sample.py::test_a_checkpoint_removed_while_it_is_read_is_not_damaged_the_newest_one_there_now_is_read",)),
+    Mutant("sample_spills_orbax_log_records", "run/checkpoint_reading.py",
+           "logger.handlers, logger.propagate = [collect], False",
+           "logger.handlers, logger.propagate = [collect] + logger.handlers, True",
+           ("tests/test_sample.py::test_a_truncated_checkpoint_is_said_in_one_line_whatever_is_cut[step_metadata_half]",)),
 ]
 
 def occurrences(mutant: Mutant, jdp_dir: str) -> int:

@@ -103,3 +103,19 @@ def test_a_nanogpt_shaped_gpt_decodes_as_its_whole_forward_pass():
     for layer in (m.tok_embed.embedding, m.pos_embed.embedding):
         layer[...] = layer[...] * 40
     np.testing.assert_array_equal(generate(m, PROMPTS, NEW, temperature=0.0), greedy_reference(m, PROMPTS, NEW))
+
+
+def test_each_new_token_is_drawn_with_its_own_key_fold_in_key_i():
+    """Token i is drawn with fold_in(key, i): checked against a loop that draws each token from the whole
+    forward pass with that key. A random init's next-token distributions are near uniform, so at temperature 1
+    the draw is decided by the key: one key for every token would repeat one token per row."""
+    m = GPT(VOCAB, CONTEXT, d_model=16, n_heads=2, n_layers=2, dropout=0.0, rngs=nnx.Rngs(1))
+    key, knobs = jax.random.key(5), (np.float32(1.0), np.int32(VOCAB), np.float32(1.0))
+    drawn = generate(m, PROMPTS[:2], NEW, temperature=1.0, key=key)
+    assert all(len(set(row)) > 2 for row in drawn)  # near-uniform draws: not one token repeated
+    rows = [list(p) for p in PROMPTS[:2]]
+    for i in range(NEW):  # each row's last logits from its own whole forward pass, drawn as one batch
+        logits = np.concatenate([m(np.asarray([r], np.int32), train=False)[:, -1] for r in rows])
+        for r, token in zip(rows, np.asarray(pick(logits, jax.random.fold_in(key, i), *knobs))):
+            r.append(int(token))
+    np.testing.assert_array_equal(drawn, [r[len(p):] for r, p in zip(rows, PROMPTS)])

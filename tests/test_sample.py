@@ -121,6 +121,52 @@ def test_sampling_is_seeded_a_damaged_checkpoint_is_skipped_and_bad_prompts_refu
         assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
+def test_a_checkpoint_removed_while_it_is_read_is_not_damaged_the_newest_one_there_now_is_read(
+        trained, tmp_path, capsys, monkeypatch):
+    """As a running jdp train does: checkpoint 3 saved and 2 rotated away after jdp sample listed [2, 1] and
+    before it read 2. It reads 3 (the newest that exists), says so in one line, and calls nothing damaged."""
+    from jdp.run.checkpoint import Checkpointer
+    from jdp.run.workfiles import remove_checkpoint
+
+    work = tmp_path / "w"
+    shutil.copytree(trained[0], work)
+    checkpoints, run_info = work / "checkpoints", Checkpointer.run_info
+
+    def rotated_first(self, number):
+        if number == 2 and (checkpoints / "2").exists():
+            shutil.copytree(checkpoints / "2", checkpoints / "3")  # the trainer's next save...
+            assert remove_checkpoint(str(checkpoints), "2")  # ...and its rotation, as jdp train does it
+        return run_info(self, number)
+
+    monkeypatch.setattr(Checkpointer, "run_info", rotated_first)
+    r = cli(capsys, "sample", work, "--prompt", "01", "--tokens", "3", "--temperature", "0")
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.splitlines()[0] == (f"checkpoint 2 in '{checkpoints}' was removed while it was being read (a "
+                                        f"running jdp train rotates its checkpoints), so it is not damaged; reading "
+                                        f"the newest one there now")
+    assert len(r.stderr.splitlines()) == 2 and "from checkpoint 3 of" in r.stderr and "is damaged" not in r.stderr and "unreadable" not in r.stderr
+
+
+@pytest.mark.parametrize("cut", [("state/manifest.ocdbt", 0.5), ("meta/metadata", 0.0), ("_CHECKPOINT_METADATA", 0.5),
+                                 ("state/d", 0.5)], ids=["manifest_half", "meta_empty", "step_metadata_half", "data_half"])
+def test_a_truncated_checkpoint_is_said_in_one_line_whatever_is_cut(cut, trained, tmp_path, capsys, caplog):
+    """Checkpoint 2 with one file cut short: one line on stderr about it (orbax's log records, which absl
+    prints, and tensorstore's "Event loop is closed" tracebacks, which pytest turns into errors, do not
+    spill), then the speed line."""
+    work = tmp_path / "w"
+    shutil.copytree(trained[0], work)
+    name, fraction = cut
+    path = work / "checkpoints" / "2" / name
+    path = max(path.iterdir(), key=lambda f: f.stat().st_size) if path.is_dir() else path  # a data file: the largest
+    os.truncate(path, int(path.stat().st_size * fraction))
+    r = cli(capsys, "sample", work, "--prompt", "01", "--tokens", "3", "--temperature", "0")
+    lines = r.stderr.splitlines()
+    assert r.returncode == 0 and len(lines) == 2, r.stderr
+    assert lines[0].startswith(f"checkpoint 2 in '{work}/checkpoints'") and "Traceback" not in r.stderr
+    assert lines[1].startswith("1 × 3 tokens from checkpoint ")
+    assert not [record.getMessage() for record in caplog.records if record.name == "absl"]
+
+
 def _flip_a_bit(state_dir):
     """Flip one bit of the saved head kernel: it reads back without error but holds another value."""
     spec = {"driver": "zarr", "kvstore": {"driver": "ocdbt", "base": f"file://{state_dir}/"},

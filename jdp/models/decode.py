@@ -50,18 +50,27 @@ def init_cache(model, batch: int, slots: int) -> KVCache:
     return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
 
-def _block_cached(block, x, k_cache, v_cache, start, visible):
-    """One Block (eval mode) on x (b, L, d_model) at slots start..start+L-1; writes its keys and values
-    into the layer's cache (b, slots, heads, head_dim) and attends to the `visible` (b, L, slots) ones."""
+def _block_cached(block, x, cache: KVCache, layer, start, visible):
+    """One Block (eval mode) on x (b, L, d_model) at slots start..start+L-1 of layer `layer` (an int or an
+    int32 scalar): writes its keys and values into the stacked `cache` in place (one (1, b, L, heads,
+    head_dim) slice each) and attends to that layer's `visible` (b, L, slots) slots.
+
+    Writing the slice into the whole (n_layers, ...) cache, not into a layer's copy that is then
+    stacked again, lets XLA update the loop's cache buffer in place: a token costs its own keys and
+    values, not a copy of every layer's cache.
+    """
     attn = block.attn
     h = block.ln1(x)
     query, key, value = attn.query(h), attn.key(h), attn.value(h)
-    k_cache = jax.lax.dynamic_update_slice(k_cache, key.astype(k_cache.dtype), (0, start, 0, 0))
-    v_cache = jax.lax.dynamic_update_slice(v_cache, value.astype(v_cache.dtype), (0, start, 0, 0))
-    out = nnx.dot_product_attention(query, k_cache, v_cache, mask=visible[:, None], dtype=attn.dtype,
+    at = (layer, 0, start, 0, 0)
+    k = jax.lax.dynamic_update_slice(cache.k, key[None].astype(cache.k.dtype), at)
+    v = jax.lax.dynamic_update_slice(cache.v, value[None].astype(cache.v.dtype), at)
+    layer_k = jax.lax.dynamic_index_in_dim(k, layer, keepdims=False)  # (b, slots, heads, head_dim)
+    layer_v = jax.lax.dynamic_index_in_dim(v, layer, keepdims=False)
+    out = nnx.dot_product_attention(query, layer_k, layer_v, mask=visible[:, None], dtype=attn.dtype,
                                     precision=attn.precision)
     x = x + attn.out(out)
-    return x + block.mlp(x), k_cache, v_cache
+    return x + block.mlp(x), KVCache(k, v)
 
 
 def forward_cached(model, tokens: jax.Array, cache: KVCache, start, first: jax.Array) -> tuple:
@@ -69,7 +78,8 @@ def forward_cached(model, tokens: jax.Array, cache: KVCache, start, first: jax.A
 
     `first` (b,) int32: the slot of each row's first real token (its left padding ends there). A
     token at slot s of row r takes position s - first[r] and attends to the slots first[r]..s.
-    Returns (logits (b, L, vocab_size) float32, the cache with these slots written).
+    Returns (logits (b, L, vocab_size) float32, the cache with these slots written in place: each
+    layer writes its (b, L, heads, head_dim) keys and values, nothing else of the cache is copied).
     """
     slots = start + jnp.arange(tokens.shape[1])
     positions = jnp.maximum(slots[None, :] - first[:, None], 0)
@@ -80,20 +90,17 @@ def forward_cached(model, tokens: jax.Array, cache: KVCache, start, first: jax.A
     if model.scan_layers:
         graphdef, stack = nnx.split(model.layers)
 
-        def body(x, layer):
-            params, k, v = layer
-            x, k, v = _block_cached(nnx.merge(graphdef, params), x, k, v, start, visible)
-            return x, (k, v)
+        def body(carry, layer):  # the whole cache rides in the carry: each layer updates its slice in place
+            x, cache = carry
+            params, i = layer
+            x, cache = _block_cached(nnx.merge(graphdef, params), x, cache, i, start, visible)
+            return (x, cache), None
 
-        x, (k, v) = jax.lax.scan(body, x, (stack, cache.k, cache.v))
+        (x, cache), _ = jax.lax.scan(body, (x, cache), (stack, jnp.arange(model.n_layers)))
     else:
-        ks, vs = [], []
         for i, block in enumerate(model.blocks):
-            x, k, v = _block_cached(block, x, cache.k[i], cache.v[i], start, visible)
-            ks.append(k)
-            vs.append(v)
-        k, v = jnp.stack(ks), jnp.stack(vs)
-    return model.logits(x), KVCache(k, v)
+            x, cache = _block_cached(block, x, cache, i, start, visible)
+    return model.logits(x), cache
 
 
 def filter_logits(logits: jax.Array, top_k, top_p) -> jax.Array:

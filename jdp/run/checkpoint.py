@@ -24,6 +24,7 @@ from jdp.core.step import TrainStep, get_tree
 from jdp.run.checkpoint_faults import (UNREADABLE, CheckpointMismatchError, CheckpointWriteError, Diagnosis,
                                        DamagedCheckpointError, NonFiniteStateError, check_finite, differences,
                                        out_of_space, saved_tree)
+from jdp.run.checkpoint_reading import newest_intact
 from jdp.run.digests import json_digest, tree_digest, with_data_digest
 from jdp.run.workfiles import finish_deletions, refuse_symlink, refuse_symlinks_in, remove_checkpoint
 
@@ -194,28 +195,20 @@ class Checkpointer:
                                      f"{', '.join(map(str, damaged))} are all damaged", "remove them or use another "
                                      "--workdir.")
 
+    def steps_now(self) -> list[int]:
+        """The complete checkpoints' optimizer steps as the directory holds them now (listed again: a
+        running trainer may have saved or rotated some since this Checkpointer was made)."""
+        self._manager.reload()
+        return list(self._manager.all_steps())
+
     def newest_intact(self, step_for: Callable[[dict], tuple], log: Callable[[str], Any]) -> tuple:
-        """Read the newest checkpoint that is intact (its metadata and arrays match their sha256), without
-        changing anything on disk: a damaged one is said with `log` and skipped, left where it is.
+        """Read the newest checkpoint that exists and is intact (its metadata and arrays match their
+        sha256), without changing anything on disk (`jdp.run.checkpoint_reading.newest_intact`).
 
         `step_for(config)` gives `(step, like)` for the run's saved config (a dict; None in a checkpoint
-        of a jdp that did not save it): a step to place the state in and a state of it. Returns `(state, config, step_number)`; ValueError if none is intact.
+        of a jdp that did not save it). Returns `(state, config, step_number)`; ValueError if none is intact.
         """
-        steps = sorted(self._manager.all_steps(), reverse=True)
-        if not steps:
-            raise ValueError(f"no complete checkpoint in {self.directory!r}: train the run first (jdp train ... "
-                             f"--workdir), or name another run's directory.")
-        for number in steps:
-            try:
-                run = self.run_info(number)["run"]
-                step, like = step_for(run.get("config"))
-                restored, _ = self._restore_verified(step, like, run, number)
-            except DamagedCheckpointError as e:
-                log(f"{e.finding}; trying the one before it")
-                continue
-            return step.place(restored, like), run.get("config"), number
-        raise ValueError(f"no intact checkpoint in {self.directory!r}: checkpoints {', '.join(map(str, steps))} are "
-                         f"all damaged.")
+        return newest_intact(self, step_for, log)
 
     def close(self, *, wait: bool = True) -> None:
         """Wait for the last save (and rotate), close orbax's manager and remove the glob-safe alias, if any.
