@@ -2,7 +2,8 @@
 
 Models: `MLP`, `CNN` (BatchNorm; `sync_batchnorm=True` for global-batch statistics under
 shard_map/pmap), `GPT` (dropout keys passed at call time; `attention="fused"`, `remat=True`;
-nanoGPT's architecture through its options, and its weights through `gpt_from_nanogpt`).
+nanoGPT's architecture through its options, and its weights through `gpt_from_nanogpt`; a Hugging
+Face GPT-2 directory in through `gpt_from_hf` and out through `save_hf`).
 Text from a GPT: `generate` (a key/value cache and a compiled decode loop; greedy, temperature,
 top-k, top-p), `greedy_reference` (the whole forward pass per token, its check).
 Each takes `dtype=`, the compute dtype (`jdp.models.dtypes.compute_dtype`: None/float32 or
@@ -33,6 +34,8 @@ from flax import nnx
 from jdp.models.cnn import CNN
 from jdp.models.decode import compiled_generate, generate, greedy_reference
 from jdp.models.gpt import GPT
+from jdp.models.hf import gpt_from_hf
+from jdp.models.hf_export import save_hf
 from jdp.models.mlp import MLP
 from jdp.models.nanogpt import gpt_from_nanogpt
 from jdp.models.nnx_bridge import FunctionalModel, apply_with_state, functional
@@ -44,4 +47,4 @@ def param_count(model: nnx.Module) -> int:
 
 
 __all__ = ["CNN", "GPT", "MLP", "FunctionalModel", "apply_with_state", "compiled_generate", "functional", "generate",
-           "gpt_from_nanogpt", "greedy_reference", "param_count"]
+           "gpt_from_hf", "gpt_from_nanogpt", "greedy_reference", "param_count", "save_hf"]
