@@ -96,12 +96,17 @@ class ModelConfig(Section):
     layer whole instead of the model. The same model either way (initial params, dropout masks);
     the checkpoint stacks the layers. Unset, `jdp train` turns it and model.remat on for the gpt
     under parallel.shard_params, and says so. Other models refuse true."""
+    init_from: str | None = None
+    """gpt only: a Hugging Face GPT-2 checkpoint directory (config.json, model.safetensors) to start
+    from instead of random weights. Its config.json sets d_model, n_heads and n_layers (a value set
+    here that contradicts it is refused) and the vocabulary; model.context is the training window,
+    at most its n_positions (default: n_positions). Trains on data.name tokens; null: random weights."""
 
     _section: ClassVar[str] = "model"
     _rules: ClassVar[dict[str, Rule]] = dict(
         name=one_of(MODELS), hidden=WIDTHS, channels=TWO_WIDTHS, sync_batchnorm=BOOL, d_model=POSITIVE_INT,
         n_heads=POSITIVE_INT, n_layers=POSITIVE_INT, dropout=UNIT, context=POSITIVE_INT,
-        attention=one_of(ATTENTIONS), remat=BOOL, scan_layers=BOOL)
+        attention=one_of(ATTENTIONS), remat=BOOL, scan_layers=BOOL, init_from=or_null(PATH))
 
 
 @dataclass(frozen=True)

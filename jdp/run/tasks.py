@@ -168,8 +168,14 @@ def token_files(config) -> tuple:
 
 def gpt_for(config, vocab_size: int, rngs: nnx.Rngs | None = None) -> GPT:
     """The GPT `jdp train` builds for a `data.name: chars | tokens` config over `vocab_size` ids (model.*,
-    train.precision's compute dtype), initialised from `rngs` (default: nnx.Rngs(train.seed))."""
+    train.precision's compute dtype), initialised from `rngs` (default: nnx.Rngs(train.seed)); with
+    model.init_from, the Hugging Face GPT-2 checkpoint there instead (its sizes and vocabulary)."""
     m = config.model
+    if m.init_from is not None:
+        from jdp.models.hf import gpt_from_hf
+
+        return gpt_from_hf(m.init_from, dtype=compute_dtype(config), attention=m.attention, dropout=m.dropout,
+                           remat=m.remat, scan_layers=m.scan_layers)
     return GPT(vocab_size, m.context, d_model=m.d_model, n_heads=m.n_heads, n_layers=m.n_layers, dropout=m.dropout,
                dtype=compute_dtype(config), attention=m.attention, remat=m.remat, scan_layers=m.scan_layers,
                rngs=rngs or nnx.Rngs(config.train.seed))
