@@ -244,6 +244,12 @@ QUICK = (
     "test_shipped.py::test_a_config_is_found_by_name_and_a_file_of_that_path_wins",
     # The GPT's nanoGPT options and weight mapping, torch-free (the parity with nanoGPT needs torch: full tier).
     "test_gpt_options.py",
+    # Hugging Face GPT-2 in and out, against transformers (the CLI's end to end run: full tier)
+    "test_hf.py::test_a_transformers_gpt2_loads_with_its_logits[options]",
+    "test_hf.py::test_save_hf_writes_what_transformers_loads_with_the_same_logits_and_greedy_text",
+    "test_hf.py::test_what_is_not_a_gpt2_checkpoint_is_refused_in_one_sentence",
+    "test_hf.py::test_save_hf_overwrites_nothing",
+    "test_hf.py::test_model_init_from_takes_the_sizes_and_refuses_a_contradicting_one",
 )
 
 
