@@ -249,6 +249,7 @@ QUICK = (
     "test_hf.py::test_save_hf_writes_what_transformers_loads_with_the_same_logits_and_greedy_text",
     "test_hf.py::test_what_is_not_a_gpt2_checkpoint_is_refused_in_one_sentence",
     "test_hf.py::test_save_hf_overwrites_nothing",
+    "test_hf.py::test_jdp_export_refuses_a_full_output_and_a_workdir_without_a_checkpoint",
     "test_hf.py::test_model_init_from_takes_the_sizes_and_refuses_a_contradicting_one",
 )
 

@@ -189,6 +189,16 @@ def test_model_init_from_takes_the_sizes_and_refuses_a_contradicting_one(hf, tmp
         config_from_dict({"model": {"init_from": path}, "data": {"name": "chars"}})
 
 
+def test_jdp_export_refuses_a_full_output_and_a_workdir_without_a_checkpoint(tmp_path, capsys):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    r = cli(capsys, "export", tmp_path / "nowhere", tmp_path / "out")  # OUT is checked before the run is read
+    assert r.returncode == 2 and "is a directory that is not empty; jdp overwrites nothing" in r.stderr, r.stderr
+    r = cli(capsys, "export", tmp_path / "nowhere", tmp_path / "new")
+    assert r.returncode == 2 and "holds no checkpoint" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert sorted(os.listdir(tmp_path)) == ["out"] and os.listdir(tmp_path / "out") == ["keep.txt"]
+
+
 @pytest.mark.xdist_group("hf_cli")
 def test_fine_tuning_end_to_end_prepare_train_sample_export(hf, tmp_path, capsys):
     """jdp's commands on a transformers checkpoint: the first step's loss is transformers' loss on that
@@ -216,6 +226,7 @@ def test_fine_tuning_end_to_end_prepare_train_sample_export(hf, tmp_path, capsys
         theirs = model(torch.tensor(ids, dtype=torch.long), labels=torch.tensor(ids, dtype=torch.long)).loss.item()
     np.testing.assert_allclose(first, theirs, rtol=2e-6)
 
+    assert f"GPT from '{path}' on tokens" in r.stdout  # the run says what it starts from
     r = cli(capsys, "sample", work, "--prompt", "the model", "--tokens", "4", "--temperature", "0")
     assert r.returncode == 0 and r.stdout.startswith("the model"), r.stderr
     r = cli(capsys, "export", work, tmp_path / "export")

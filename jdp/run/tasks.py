@@ -220,8 +220,9 @@ def build_task(config) -> Task:
                                f"char GPT ({corpus.vocab_size} symbols)", train, test, char_bytes_per_token(corpus))
     if d.name == "tokens":
         train, test = token_files(config)
+        start = f" from {quoted(m.init_from)}" if m.init_from else ""  # a Hugging Face GPT-2 checkpoint
         return language_model(functional(gpt_for(config, d.vocab_size, rngs)),
-                               f"GPT on tokens {quoted(d.path)} ({d.vocab_size} ids)", train, test,
+                               f"GPT{start} on tokens {quoted(d.path)} ({d.vocab_size} ids)", train, test,
                                d.val_path and token_bytes_per_token(d.val_path, d.vocab_size))
     if d.name == "digits":
         x, y, xt, yt = D.load_digits(d.test_fraction, images=m.name == "cnn")
