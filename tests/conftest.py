@@ -269,6 +269,13 @@ QUICK = (
     "test_xent.py::test_eight_devices_take_the_one_device_step_on_the_global_batch",
     "test_xent.py::test_model_loss_chunk_takes_the_fused_loss_in_training_and_evaluation",
     "test_xent.py::test_loss_chunk_on_another_model_is_refused",
+    # Hugging Face GPT-2 in and out, against transformers (the CLI's end to end run: full tier)
+    "test_hf.py::test_a_transformers_gpt2_loads_with_its_logits[options]",
+    "test_hf.py::test_save_hf_writes_what_transformers_loads_with_the_same_logits_and_greedy_text",
+    "test_hf.py::test_what_is_not_a_gpt2_checkpoint_is_refused_in_one_sentence",
+    "test_hf.py::test_save_hf_overwrites_nothing",
+    "test_hf.py::test_jdp_export_refuses_a_full_output_and_a_workdir_without_a_checkpoint",
+    "test_hf.py::test_model_init_from_takes_the_sizes_and_refuses_a_contradicting_one",
 )
 
 

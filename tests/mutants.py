@@ -1232,6 +1232,43 @@ MUTANTS = [
            "logger.handlers, logger.propagate = [collect], False",
            "logger.handlers, logger.propagate = [collect] + logger.handlers, True",
            ("tests/test_sample.py::test_a_truncated_checkpoint_is_said_in_one_line_whatever_is_cut[step_metadata_half]",)),
+    # Hugging Face GPT-2 checkpoints in and out (jdp/models/hf.py, hf_export.py, jdp/run/hf_init.py)
+    Mutant("hf_conv1d_kernel_transposed", "models/hf.py",
+           'return {"kernel": take(prefix + ".weight").reshape(kernel_shape),',
+           'return {"kernel": take(prefix + ".weight").T.reshape(kernel_shape),',  # torch Linear's (out, in) habit
+           ("tests/test_hf.py::test_a_transformers_gpt2_loads_with_its_logits[options]",)),
+    Mutant("hf_ln_epsilon_dropped_on_import", "models/hf.py",
+           "GELUS[activation], float(epsilon),",
+           "GELUS[activation], 1e-6,",  # jdp's GPT default
+           ("tests/test_hf.py::test_a_transformers_gpt2_loads_with_its_logits[options]",)),
+    Mutant("hf_exact_gelu_read_as_tanh", "models/hf.py",
+           'GELUS = {"gelu_new": True, "gelu_pytorch_tanh": True, "gelu": False}',
+           'GELUS = {"gelu_new": True, "gelu_pytorch_tanh": True, "gelu": True}',
+           ("tests/test_hf.py::test_a_transformers_gpt2_loads_with_its_logits[options]",)),
+    Mutant("hf_tied_head_untied_on_export", "models/hf_export.py",
+           '"tie_word_embeddings": model.tie_embeddings}',
+           '"tie_word_embeddings": False}',
+           ("tests/test_hf.py::test_save_hf_writes_what_transformers_loads_with_the_same_logits_and_greedy_text[gpt2]",)),
+    Mutant("hf_ln_epsilon_dropped_on_export", "models/hf_export.py",
+           '"layer_norm_epsilon": model.ln_f.epsilon, ',
+           "",  # transformers' default, 1e-5
+           ("tests/test_hf.py::test_save_hf_writes_what_transformers_loads_with_the_same_logits_and_greedy_text[options]",)),
+    Mutant("hf_export_writes_into_a_full_directory", "models/hf_export.py",
+           "if os.path.isdir(out) and os.listdir(out):",
+           "if False:",
+           ("tests/test_hf.py::test_save_hf_overwrites_nothing",)),
+    Mutant("hf_contradicting_size_accepted", "run/hf_init.py",
+           "if _is_int(written) and written != value:",
+           "if False:",
+           ("tests/test_hf.py::test_model_init_from_takes_the_sizes_and_refuses_a_contradicting_one",)),
+    Mutant("hf_init_from_trains_random_weights", "run/tasks.py",
+           "if m.init_from is not None:",
+           "if False:",
+           ("tests/test_hf.py::test_model_init_from_takes_the_sizes_and_refuses_a_contradicting_one",)),
+    Mutant("hf_pickled_weights_not_refused", "models/hf.py",
+           "    if others:\n",
+           "    if False:\n",
+           ("tests/test_hf.py::test_what_is_not_a_gpt2_checkpoint_is_refused_in_one_sentence",)),
 ]
 
 def occurrences(mutant: Mutant, jdp_dir: str) -> int:

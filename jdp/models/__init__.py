@@ -2,7 +2,8 @@
 
 Models: `MLP`, `CNN` (BatchNorm; `sync_batchnorm=True` for global-batch statistics under
 shard_map/pmap), `GPT` (dropout keys passed at call time; `attention="fused"`, `remat=True`;
-nanoGPT's architecture through its options, and its weights through `gpt_from_nanogpt`;
+nanoGPT's architecture through its options, and its weights through `gpt_from_nanogpt`; a Hugging
+Face GPT-2 directory in through `gpt_from_hf` and out through `save_hf`;
 `GPT.token_losses`: the per-token loss by `fused_cross_entropy`, a chunked head and softmax
 cross-entropy that never builds the whole logits).
 Text from a GPT: `generate` (a key/value cache and a compiled decode loop; greedy, temperature,
@@ -35,6 +36,8 @@ from flax import nnx
 from jdp.models.cnn import CNN
 from jdp.models.decode import compiled_generate, generate, greedy_reference
 from jdp.models.gpt import GPT
+from jdp.models.hf import gpt_from_hf
+from jdp.models.hf_export import save_hf
 from jdp.models.mlp import MLP
 from jdp.models.nanogpt import gpt_from_nanogpt
 from jdp.models.nnx_bridge import FunctionalModel, apply_with_state, functional
@@ -46,5 +49,6 @@ def param_count(model: nnx.Module) -> int:
     return sum(int(x.size) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
-__all__ = ["CNN", "GPT", "MLP", "FunctionalModel", "apply_with_state", "compiled_generate", "functional", "fused_cross_entropy",
-           "generate", "gpt_from_nanogpt", "greedy_reference", "param_count", "plain_cross_entropy"]
+__all__ = ["CNN", "GPT", "MLP", "FunctionalModel", "apply_with_state", "compiled_generate", "functional",
+           "fused_cross_entropy", "generate", "gpt_from_hf", "gpt_from_nanogpt", "greedy_reference", "param_count",
+           "plain_cross_entropy", "save_hf"]

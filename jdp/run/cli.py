@@ -7,7 +7,8 @@ import os
 import sys
 
 from jdp import __version__
-from jdp.run.commands import add_configs_parser, add_data_parser, add_sample_parser, cmd_configs, cmd_data, cmd_sample
+from jdp.run.commands import (add_configs_parser, add_data_parser, add_export_parser, add_sample_parser, cmd_configs,
+                              cmd_data, cmd_export, cmd_sample)
 from jdp.run.exits import INTERRUPTED, run_quietly
 from jdp.run.supervisor import SUPERVISED
 
@@ -46,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_configs_parser(sub)
     add_data_parser(sub)
     add_sample_parser(sub)
+    add_export_parser(sub)
     memory = sub.add_parser("memory", help="bytes per device of a config's step, replicated / ZeRO-1 / FSDP",
                             description="Compile CONFIG's step in each layout (nothing is trained) and print "
                             "the state between steps and the compiled step's peak, bytes per device.")
@@ -396,7 +398,7 @@ def _main(argv: list[str] | None) -> int:
     try:
         return {"train": cmd_train, "explain": cmd_explain, "plot": cmd_plot, "config": cmd_config,
                 "configs": cmd_configs, "data": cmd_data, "memory": cmd_memory,
-                "sample": cmd_sample}[args.command](args)
+                "sample": cmd_sample, "export": cmd_export}[args.command](args)
     except ValueError as e:  # bad input: one sentence, exit code 2, no traceback
         print(f"jdp: error: {e}", file=sys.stderr)
         return 2

@@ -1,4 +1,4 @@
-"""`jdp configs`, `jdp data prepare-tokens`, `jdp sample`: what ships with jdp, for `jdp train`, and a run's
+"""`jdp configs`, `jdp data prepare-tokens`, `jdp sample`, `jdp export`: what ships with jdp, for `jdp train`, and a run's
 use after it (jdp.run.cli adds them).
 
 Their parsers import nothing heavy, so `jdp --help` stays instant; the commands import their
@@ -118,6 +118,31 @@ def cmd_sample(args) -> int:
     return 0
 
 
+def add_export_parser(sub) -> None:
+    """`jdp export WORKDIR OUT` (jdp.run.export, imported only when it runs)."""
+    export = sub.add_parser(
+        "export", help="write a GPT run as a Hugging Face GPT-2 directory (transformers' from_pretrained)",
+        description="Write WORKDIR's newest intact checkpoint of a GPT run to OUT as a Hugging Face GPT-2 model: "
+        "config.json and model.safetensors, and the run's tokenizer.json where it has one. "
+        "transformers.GPT2LMHeadModel.from_pretrained(OUT) computes the same logits. OUT must not exist or be an "
+        "empty directory; nothing in WORKDIR is written.")
+    export.add_argument("workdir", metavar="WORKDIR", help="the run directory (jdp train's --workdir)")
+    export.add_argument("out", metavar="OUT", help="the directory to write (new, or empty)")
+
+
+def cmd_export(args) -> int:
+    from jdp.cpu import backends_started, use_cpu_devices
+
+    if not backends_started():
+        use_cpu_devices(1)  # the checkpoint is read into one CPU device
+    from jdp.run.export import export_lines, export_run
+
+    done = export_run(args.workdir, args.out, log=lambda line: print(line, file=sys.stderr))
+    for line in export_lines(done, args.workdir):
+        print(line)
+    return 0
+
+
 def cmd_configs(args) -> int:
     from jdp.run.shipped import format_configs, shipped_configs
 
@@ -135,4 +160,5 @@ def cmd_data(args) -> int:
     return 0
 
 
-__all__ = ["add_configs_parser", "add_data_parser", "add_sample_parser", "cmd_configs", "cmd_data", "cmd_sample"]
+__all__ = ["add_configs_parser", "add_data_parser", "add_export_parser", "add_sample_parser", "cmd_configs", "cmd_data",
+           "cmd_export", "cmd_sample"]

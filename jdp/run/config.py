@@ -33,6 +33,7 @@ from jdp.core.options import OptionError, StepOptions
 from jdp.data.datasets import DIGITS_EXAMPLES, SEED_REGRESSIONS, held_out_count
 from jdp.run.config_sections import (ATTENTIONS, DATASETS, HOSTS, MODEL_DATA, MODELS, SECTIONS, DataConfig, ModelConfig,
                                  OptimConfig, ParallelConfig, TrainConfig, step_option_key)
+from jdp.run.hf_init import check_init_from, init_from_values
 from jdp.run.prepared import prepared_data
 from jdp.run.sections import ConfigError, field_docs, parse_override, read_yaml
 from jdp.text import quoted, shorten
@@ -48,6 +49,7 @@ PLACEMENT_ONLY = ("train.accelerator_only",)
 # Identity fields added after checkpoints already existed, with the value every earlier run had:
 # a checkpoint whose identity lacks one resumes when the config keeps that value.
 ADDED_DEFAULTS = {"model.attention": "flax", "model.remat": False, "model.scan_layers": False, "model.loss_chunk": 0,
+                  "model.init_from": None,
                   "parallel.reduce_dtype": None,
                   "train.precision": "float32", "data.dtype": "uint16", "data.vocab_size": None}
 
@@ -135,6 +137,8 @@ def _config_as_written(data: Mapping | None, source: str) -> Config:
             _check_key(name, key)
         if name == "data":  # a folder prepared by jdp data prepare-tokens says vocab_size and dtype
             values = prepared_data(values)
+        if name == "model":  # a Hugging Face checkpoint to start from says the sizes
+            values = init_from_values(values)
         sections[name] = SECTIONS[name](**values)
     return Config(**sections)
 
@@ -252,6 +256,7 @@ def validate(config: Config, num_devices: int | None) -> Config:
         raise ConfigError(f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}.")
 
     _check_data_files(d)
+    check_init_from(config)
     if d.name == "digits" and held_out_count(DIGITS_EXAMPLES, d.test_fraction) >= DIGITS_EXAMPLES:
         raise ConfigError(f"data.test_fraction={d.test_fraction} holds out round({DIGITS_EXAMPLES} × {d.test_fraction}) "
                           f"= {held_out_count(DIGITS_EXAMPLES, d.test_fraction)} of the {DIGITS_EXAMPLES} digits "

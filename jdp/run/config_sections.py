@@ -108,12 +108,18 @@ class ModelConfig(Section):
     at a time, the backward pass recomputing each block's logits; the same loss and gradients to
     rounding, less memory, one more head matmul. 0 by default: on a CPU the fused loss measured
     slower (docs/performance.md). Other models refuse a value above 0."""
+    init_from: str | None = None
+    """gpt only: a Hugging Face GPT-2 checkpoint directory (config.json, model.safetensors) to start
+    from instead of random weights. Its config.json sets d_model, n_heads and n_layers (a value set
+    here that contradicts it is refused) and the vocabulary; model.context is the training window,
+    at most its n_positions (default: n_positions). Trains on data.name tokens; null: random weights."""
 
     _section: ClassVar[str] = "model"
     _rules: ClassVar[dict[str, Rule]] = dict(
         name=one_of(MODELS), hidden=WIDTHS, channels=TWO_WIDTHS, sync_batchnorm=BOOL, d_model=POSITIVE_INT,
         n_heads=POSITIVE_INT, n_layers=POSITIVE_INT, dropout=UNIT, context=POSITIVE_INT,
-        attention=one_of((*ATTENTIONS, AUTO)), remat=REMAT, scan_layers=BOOL, loss_chunk=COUNT)
+        attention=one_of((*ATTENTIONS, AUTO)), remat=REMAT, scan_layers=BOOL, loss_chunk=COUNT,
+        init_from=or_null(PATH))
 
 
 @dataclass(frozen=True)

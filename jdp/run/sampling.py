@@ -47,10 +47,11 @@ def run_tokenizer(config):
     return load_tokenizer(os.path.dirname(os.path.abspath(config.data.path))), config.data.vocab_size
 
 
-def load_run(workdir: str, log=print) -> Run:
+def load_run(workdir: str, log=print, command: str = "jdp sample continues text with") -> Run:
     """The GPT of `workdir`'s newest intact checkpoint (a damaged one is said with `log`, skipped and
     left as it is; nothing in `workdir` is written). ValueError, in one sentence, for a workdir
-    without a checkpoint or whose run is not a GPT on text."""
+    without a checkpoint or whose run is not a GPT on text (`command`: what the caller does with one,
+    for that sentence)."""
     directory = os.path.join(workdir, "checkpoints")
     if not os.path.isdir(directory):
         raise ValueError(f"{quoted(workdir)} holds no checkpoint ({quoted(directory)} does not exist); train a GPT "
@@ -64,8 +65,8 @@ def load_run(workdir: str, log=print) -> Run:
         config = config_from_dict(saved, source=f"the config saved in {directory}")
         m, d = config.model, config.data
         if m.name != "gpt" or d.name not in ("chars", "tokens"):
-            raise ValueError(f"{quoted(workdir)} holds a run of model.name {m.name!r} on data.name {d.name!r}; jdp "
-                             f"sample continues text with a GPT run (model.name gpt on data.name chars or tokens).")
+            raise ValueError(f"{quoted(workdir)} holds a run of model.name {m.name!r} on data.name {d.name!r}; "
+                             f"{command} a GPT run (model.name gpt on data.name chars or tokens).")
         tokenizer, vocab = run_tokenizer(config)
         fm = functional(gpt_for(config, vocab))
         task = language_model(fm, "", None, None)

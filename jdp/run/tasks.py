@@ -180,13 +180,19 @@ def token_files(config) -> tuple:
 
 def gpt_for(config, vocab_size: int, rngs: nnx.Rngs | None = None) -> GPT:
     """The GPT `jdp train` builds for a `data.name: chars | tokens` config over `vocab_size` ids (model.*,
-    train.precision's compute dtype), initialised from `rngs` (default: nnx.Rngs(train.seed))."""
+    train.precision's compute dtype), initialised from `rngs` (default: nnx.Rngs(train.seed)); with
+    model.init_from, the Hugging Face GPT-2 checkpoint there instead (its sizes and vocabulary)."""
     from jdp.run.device_defaults import AUTO, choose_attention
 
     m = config.model
     # "auto" not yet chosen (`jdp.run.device_defaults`: a training run chooses before it builds): the
     # attention for this backend, and remat on, the choice that needs the least memory
     attention = choose_attention(m.attention, jax.default_backend(), config.train.precision)[0]
+    if m.init_from is not None:
+        from jdp.models.hf import gpt_from_hf
+
+        return gpt_from_hf(m.init_from, dtype=compute_dtype(config), attention=attention, dropout=m.dropout,
+                           remat=m.remat == AUTO or m.remat, scan_layers=m.scan_layers)
     return GPT(vocab_size, m.context, d_model=m.d_model, n_heads=m.n_heads, n_layers=m.n_layers, dropout=m.dropout,
                dtype=compute_dtype(config), attention=attention, remat=m.remat == AUTO or m.remat,
                scan_layers=m.scan_layers, rngs=rngs or nnx.Rngs(config.train.seed))
@@ -244,8 +250,9 @@ def build_task(config) -> Task:
                         char_bytes_per_token(corpus))
     if d.name == "tokens":
         train, test = token_files(config)
-        return gpt_task(config, d.vocab_size, rngs, f"GPT on tokens {quoted(d.path)} ({d.vocab_size} ids)", train,
-                        test, d.val_path and token_bytes_per_token(d.val_path, d.vocab_size))
+        start = f" from {quoted(m.init_from)}" if m.init_from else ""  # a Hugging Face GPT-2 checkpoint
+        return gpt_task(config, d.vocab_size, rngs, f"GPT{start} on tokens {quoted(d.path)} ({d.vocab_size} ids)",
+                        train, test, d.val_path and token_bytes_per_token(d.val_path, d.vocab_size))
     if d.name == "digits":
         x, y, xt, yt = D.load_digits(d.test_fraction, images=m.name == "cnn")
         train, test = ArrayDataset({"x": x, "y": y}), ArrayDataset({"x": xt, "y": yt})
