@@ -141,6 +141,13 @@ def test_the_loss_as_written_accumulated_is_a_mean_of_micro_batch_means():
     assert diff > 100 * floor()
 
 
+def test_the_first_step_audit_refuses_the_loss_as_written_accumulated_before_step_one():
+    from jdp.core.audit import AuditError
+
+    with pytest.raises(AuditError, match="micro-batch"):
+        jdp_run(accum_steps=2)
+
+
 def test_the_helper_fails_the_loss_as_written_and_passes_it_weighted():
     _, state = nanodo_state()
     params, tx = unboxed(state.params), state.tx._opt
