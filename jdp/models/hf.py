@@ -29,6 +29,7 @@ import numpy as np
 from flax import nnx
 
 from jdp.models.gpt import GPT
+from jdp.models.weights import shape_mismatches
 from jdp.models.safetensors_io import load as load_safetensors
 from jdp.text import quoted
 
@@ -183,13 +184,10 @@ def install_params(model: GPT, params: dict, where: str) -> GPT:
     if model.scan_layers:
         blocks = params.pop("blocks")
         params["layers"] = jax.tree.map(lambda *layers: np.stack(layers), *(blocks[i] for i in range(len(blocks))))
-    expected = dict(_flat(nnx.to_pure_dict(nnx.state(model, nnx.Param))))
-    got = dict(_flat(params))
-    wrong = [f"{'.'.join(map(str, k))}: {np.shape(got.get(k))} for {np.shape(expected.get(k))}"
-             for k in set(expected) | set(got) if np.shape(got.get(k)) != np.shape(expected.get(k))]
+    wrong = shape_mismatches(model, params)
     if wrong:
         raise ValueError(f"{where}: the weights' shapes do not match config.json's sizes (weights for GPT): "
-                         f"{sorted(wrong)[:5]}.")
+                         f"{wrong[:5]}.")
     nnx.update(model, jax.tree.map(jnp.asarray, params))
     return model
 
@@ -215,14 +213,6 @@ def gpt_from_hf(path: str | os.PathLike, *, dtype=None, attention: str = "flax",
                 scan_layers=scan_layers, rngs=nnx.Rngs(0))
     return install_params(model, params, quoted(path))
 
-
-def _flat(tree, prefix=()):
-    """(path, leaf) pairs of a nested dict."""
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            yield from _flat(value, prefix + (key,))
-        else:
-            yield prefix + (key,), value
 
 
 __all__ = ["GPT2Architecture", "gpt2_params", "gpt_from_hf", "install_params", "read_architecture", "read_weights"]

@@ -16,6 +16,7 @@ import numpy as np
 from flax import nnx
 
 from jdp.models.gpt import GPT
+from jdp.models.weights import shape_mismatches
 
 
 def _array(value) -> np.ndarray:
@@ -100,20 +101,9 @@ def gpt_from_nanogpt(state_dict: Mapping, n_heads: int, *, dtype=None, attention
                                "proj": linear(p + "mlp.c_proj", (4 * d_model, d_model), (d_model,))}
     if set(sd) - used:
         raise ValueError(f"the state dict has entries a nanoGPT GPT does not: {sorted(set(sd) - used)}.")
-    expected = dict(_flat(nnx.to_pure_dict(nnx.state(model, nnx.Param))))
-    got = dict(_flat(params))
-    wrong = [f"{'.'.join(map(str, k))}: {np.shape(got.get(k))} for {np.shape(expected.get(k))}"
-             for k in set(expected) | set(got) if np.shape(got.get(k)) != np.shape(expected.get(k))]
+    wrong = shape_mismatches(model, params)
     if wrong:
-        raise ValueError(f"the state dict's shapes do not make a GPT (state dict for jdp): {sorted(wrong)}.")
+        raise ValueError(f"the state dict's shapes do not make a GPT (state dict for jdp): {wrong}.")
     nnx.update(model, params)
     return model
 
-
-def _flat(tree, prefix=()):
-    """(path, leaf) pairs of a nested dict."""
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            yield from _flat(value, prefix + (key,))
-        else:
-            yield prefix + (key,), value
