@@ -20,21 +20,13 @@ def memory_table(config: Config, devices, fsdp_extra: list[str] = (), say=None) 
     row only (`jdp train`'s per-layer defaults, `fsdp_layer_defaults`). Compiles each step; runs none.
     `say(line)` hears what it is doing as it goes (`progress_line`): each step it compiles, with the
     seconds since it started (a large model's three compilations take minutes)."""
-    import jax
-
-    from jdp.data import make_batches
     from jdp.inspect.memory import memory_report
 
     start, say = time.perf_counter(), say or (lambda line: None)
     names = [n for n in LAYOUTS if config.parallel.backend != "pmap" or n == "replicated"]  # pmap: whole copies
     say(progress_line(0.0, model=config.model.name))
     task, rows = build_task(config), []
-    batches = make_batches(task.train, config.data.batch_size, seed=config.train.seed, transform=task.transform,
-                           process_index=jax.process_index(), num_processes=jax.process_count())
-    try:
-        first = next(batches)
-    finally:
-        batches.close()
+    first = first_batch(config, task)
     for i, name in enumerate(names):
         say(progress_line(time.perf_counter() - start, layout=name, number=i + 1, total=len(names)))
         row = apply_overrides(config, [*LAYOUTS[name], *(fsdp_extra if name == "FSDP" else ())])
@@ -47,22 +39,28 @@ def memory_table(config: Config, devices, fsdp_extra: list[str] = (), say=None) 
     return rows
 
 
+def first_batch(config: Config, task):
+    """The first global batch `jdp train` would take from `task`'s training data under `config` (this process's rows)."""
+    import jax
+
+    from jdp.data import make_batches
+
+    batches = make_batches(task.train, config.data.batch_size, seed=config.train.seed, transform=task.transform,
+                           process_index=jax.process_index(), num_processes=jax.process_count())
+    try:
+        return next(batches)
+    finally:
+        batches.close()
+
+
 def compiled_peak(config: Config, devices) -> int | None:
     """Bytes per device of the compiled step's peak (`jdp.memory_report(...).allocated`) for `config`'s
     model, layout and first micro-batch on `devices`: compiled, not run. None where XLA gives no
     memory analysis."""
-    import jax
-
-    from jdp.data import make_batches
     from jdp.inspect.memory import memory_report
 
     task = build_task(config)
-    batches = make_batches(task.train, config.data.batch_size, seed=config.train.seed, transform=task.transform,
-                           process_index=jax.process_index(), num_processes=jax.process_count())
-    try:
-        first = next(batches)
-    finally:
-        batches.close()
+    first = first_batch(config, task)
     step = train_step_for(config, task, devices)
     state = step.init(task.params, task.model_state, seed=config.train.seed)
     return memory_report(step, state, step.micro_batches(first)[0]).allocated
