@@ -55,14 +55,14 @@ def test_a_config_left_auto_is_resolved_once_for_the_device_and_said():
         measured.append((cfg.model.attention, cfg.model.remat))
         return int(24.4 * GB)
 
-    on_gpu = resolve_device_defaults(config, [_gpu(139 * GB)], lines.append, measure)
+    on_gpu = resolve_device_defaults(config, [_gpu(139 * GB)], measure, lines.append)
     assert (on_gpu.model.attention, on_gpu.model.remat, measured) == ("cudnn", False, [("cudnn", False)])
     assert lines == ["attention: cudnn (GPU, bfloat16; the config left it auto)",
                      "remat: off (compiled peak 24.4 GB without it fits 139.0 GB with margin: at most 85%)"]
-    small = resolve_device_defaults(config, [_gpu(20 * GB)], lambda line: None, measure)
+    small = resolve_device_defaults(config, [_gpu(20 * GB)], measure, lambda line: None)
     assert small.model.remat is True
     lines.clear()
-    on_cpu = resolve_device_defaults(config, jax.devices()[:1], lines.append, lambda *a: pytest.fail("measured"))
+    on_cpu = resolve_device_defaults(config, jax.devices()[:1], lambda *a: pytest.fail("measured"), lines.append)
     assert (on_cpu.model.attention, on_cpu.model.remat) == ("fused", True)  # as gpt2_small always ran on a CPU
     assert lines[1] == "remat: on (the device's memory is not known; the config left it auto)"
     named = load_config("configs/gpt2_small.yaml", ["model.attention=flax", "model.remat=false"])

@@ -116,7 +116,7 @@ CONFIG_CASES = [
      "override 'optim.lr=' has no value; write optim.lr=null for none."),
     ("set-unknown-key", None, ["--set", "model.layers=3"],
      "unknown key 'model.layers'; model has: name, hidden, channels, sync_batchnorm, d_model, n_heads, n_layers, "
-     "dropout, context, attention, remat, scan_layers."),
+     "dropout, context, attention, remat, scan_layers, loss_chunk, init_from."),
     ("set-invalid-yaml", None, ["--set", "model.hidden=[64"],
      "override 'model.hidden=[64' has a value that is not valid YAML: '[64'."),
     # Wrong types.

@@ -191,7 +191,7 @@ def test_every_option_of_every_subcommand_has_help():
     missing = [f"{name} {action.option_strings or action.dest}" for name, command in commands.items()
                for action in command._actions if not (action.help or "").strip() or action.help == argparse.SUPPRESS]
     assert not missing and set(commands) == {"train", "plot", "explain", "config", "configs", "data", "memory",
-                                                     "sample"}
+                                                     "sample", "export"}
 
 
 def test_explain_progress_on_a_terminal_is_a_rich_bar():

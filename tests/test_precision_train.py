@@ -108,7 +108,8 @@ def test_new_keys_take_aliases_and_store_full_names():
     assert ATTENTIONS == GPT_ATTENTIONS
     assert {k: v for k, v in ADDED_DEFAULTS.items()} == {
         "model.attention": "flax", "model.remat": False, "parallel.reduce_dtype": None, "train.precision": "float32",
-        "data.dtype": "uint16", "data.vocab_size": None, "model.scan_layers": False}
+        "data.dtype": "uint16", "data.vocab_size": None, "model.scan_layers": False, "model.loss_chunk": 0,
+        "model.init_from": None}
 
 
 @pytest.mark.parametrize("override,message", [

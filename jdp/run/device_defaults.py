@@ -52,12 +52,13 @@ def device_memory(device) -> int | None:
     return int(stats["bytes_limit"]) if stats and stats.get("bytes_limit") else None
 
 
-def resolve_device_defaults(config, devices, log=print, measure=None):
+def resolve_device_defaults(config, devices, measure, log=print):
     """`config` with the GPT's model.attention and model.remat "auto" replaced by what
     `choose_attention` and `choose_remat` pick on `devices`, each choice said in one line to `log`.
-    The peak without remat is measured (compiled, not run: `jdp.run.memory_table.compiled_peak`, or
-    `measure(config, devices)`) only where the device's memory is known. Other configs are returned as
-    they are."""
+    The peak without remat is `measure(config, devices)` (bytes per device, compiled, not run: the
+    trainer passes `jdp.run.memory_table.compiled_peak`, which builds the task and so cannot be
+    imported here without a circle), measured only where the device's memory is known. Other configs
+    are returned as they are."""
     from jdp.run.config import apply_overrides
 
     m = config.model
@@ -69,9 +70,7 @@ def resolve_device_defaults(config, devices, log=print, measure=None):
     if m.remat == AUTO:
         memory = device_memory(devices[0])
         if memory:
-            from jdp.run.memory_table import compiled_peak
-
-            peak = (measure or compiled_peak)(apply_overrides(config, ["model.remat=false"]), devices)
+            peak = measure(apply_overrides(config, ["model.remat=false"]), devices)
         remat, why = choose_remat(AUTO, peak if memory else None, memory)
         config = apply_overrides(config, [f"model.remat={str(remat).lower()}"])
         lines.append(why)

@@ -17,6 +17,7 @@ from flax import nnx
 
 from jdp.models import functional
 from jdp.run.checkpoint import Checkpointer
+from jdp.run.checkpoint_reading import quiet_orbax
 from jdp.run.config import apply_overrides, config_from_dict
 from jdp.run.tasks import gpt_for, language_model, train_step_for
 from jdp.text import quoted
@@ -74,7 +75,8 @@ def load_run(workdir: str, log=print, command: str = "jdp sample continues text 
         built.update(config=config, tokenizer=tokenizer, fm=fm)
         return step, step.init(task.params, task.model_state, seed=config.train.seed)
 
-    checkpoints = Checkpointer(directory)
+    with quiet_orbax([]):  # orbax reads each step's metadata as it opens: a damaged one is said by newest_intact
+        checkpoints = Checkpointer(directory)
     try:
         state, _, number = checkpoints.newest_intact(step_for, log)
     finally:

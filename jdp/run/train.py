@@ -21,6 +21,7 @@ from jdp.run.device_defaults import resolve_device_defaults
 from jdp.run.distributed import agree, any_process
 from jdp.run.facts import RunFacts, itstime
 from jdp.run.lock import locked_workdir
+from jdp.run.memory_table import compiled_peak
 from jdp.run.metrics import MetricsWriter, flops_line, load_metrics, peak_flops, plot_metrics, step_model_flops
 from jdp.run.profile import StepProfile, parse_steps
 from jdp.run.records import (DataStoppedError, EvaluationOutOfMemoryError, NonFiniteError, Throughput, check_finite,
@@ -124,13 +125,18 @@ def train(config: Config, workdir: str, *, devices=None, log=print, progress: bo
     if not workdir:
         raise ValueError("--workdir '' is empty; name the run's directory (or leave --workdir out for "
                          "runs/<config name>).")
-    devices = _checked_devices(config, devices, workdir, allow_cpu, log)
-    # model.attention / model.remat "auto": chosen for these devices and said, before the run's identity
-    config = resolve_device_defaults(config, devices, log)
     facts = RunFacts.of(config, devices, stop_after=stop_after, fallback_to_intact=fallback_to_intact)
     # Every process must take the same collectives at the same steps: agree on what decides them
     # (and on the run) before the steps touch the devices.
     agree(facts.agreed)
+    devices = _checked_devices(config, devices, workdir, allow_cpu, log)
+    # model.attention / model.remat "auto": chosen for these devices and said, before the run's identity;
+    # processes on different kinds of device could choose differently, so they agree once more
+    resolved = resolve_device_defaults(config, devices, compiled_peak, log)
+    if resolved is not config:
+        config = resolved
+        facts = RunFacts.of(config, devices, stop_after=stop_after, fallback_to_intact=fallback_to_intact)
+        agree(facts.agreed)
     paths = (None, None) if task else (config.data.path, config.data.val_path)
     parts = _Parts.build(config, task or build_task(config), devices, facts, paths)
     # A run that fails before it writes a record or checkpoint takes back the empty workdir and files it made.
