@@ -17,6 +17,23 @@ import numpy as np
 RECIPE = dict(lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1, clip=1.0, eps=1e-8)
 
 
+def mean_token_loss(fm, chunk: int):
+    """loss_fn(params, batch) of a functional GPT on (B, T+1) token rows: the mean next-token cross-entropy
+    over the B·T positions, from the whole logits (chunk 0) or the fused, chunked loss (chunk positions a block)."""
+    import jax.numpy as jnp
+    import optax
+
+    def loss_fn(params, batch):
+        x, y = batch[:, :-1], batch[:, 1:]
+        if chunk:
+            nll, _ = fm.apply_method_with_state(params, fm.rest, "token_losses", x, y, chunk=chunk, train=False)[0]
+        else:
+            nll = optax.softmax_cross_entropy_with_integer_labels(fm.apply(params, x, train=False), y)
+        return jnp.mean(nll)
+
+    return loss_fn
+
+
 def token_batches(spec: dict) -> list[np.ndarray]:
     """`spec["distinct"]` int32 (batch, context + 1) windows of seeded random tokens: every row's process draws
     the same ones (x = [:, :-1], y = [:, 1:])."""
@@ -104,13 +121,7 @@ def jax_row(spec: dict, kind: str) -> dict:
     fm, chunk = functional(model), spec.get("loss_chunk", 0)
     tx = _optax_adamw(fm.params, spec.get("fused_update", False))
 
-    def loss_fn(params, batch):
-        x, y = batch[:, :-1], batch[:, 1:]
-        if chunk:
-            nll, _ = fm.apply_method_with_state(params, fm.rest, "token_losses", x, y, chunk=chunk, train=False)[0]
-        else:
-            nll = optax.softmax_cross_entropy_with_integer_labels(fm.apply(params, x, train=False), y)
-        return jnp.mean(nll)
+    loss_fn = mean_token_loss(fm, chunk)
 
     device = jax.devices()[0]
     batches = [jax.device_put(b, device) for b in token_batches(spec)]

@@ -24,11 +24,11 @@ def step_for(vocab: int, chunk: int):
     """(jdp step, initial state, placed batches) of the small GPT with `chunk` positions per loss block
     (0: the plain loss over the whole float32 logits)."""
     import jax
-    import jax.numpy as jnp
     import optax
     from flax import nnx
 
     import jdp
+    from benchmarks.side_by_side_rows import mean_token_loss
     from jdp.models import GPT, functional
 
     s = SIZES
@@ -36,13 +36,7 @@ def step_for(vocab: int, chunk: int):
                         dropout=0.0, attention="fused", bias=False, tie_embeddings=True, gelu_approximate=False,
                         ln_epsilon=1e-5, rngs=nnx.Rngs(0)))
 
-    def loss_fn(params, batch):
-        x, y = batch[:, :-1], batch[:, 1:]
-        if chunk:
-            nll, _ = fm.apply_method_with_state(params, fm.rest, "token_losses", x, y, chunk=chunk, train=False)[0]
-        else:
-            nll = optax.softmax_cross_entropy_with_integer_labels(fm.apply(params, x, train=False), y)
-        return jnp.mean(nll)
+    loss_fn = mean_token_loss(fm, chunk)
 
     step = jdp.make_train_step(loss_fn, optax.adamw(3e-4, weight_decay=0.1), devices=jax.devices()[:1])
     rng = np.random.default_rng(0)
