@@ -1018,15 +1018,15 @@ MUTANTS = [
            "kw = dict(dtype=dtype, param_dtype=jnp.float32, use_bias=bias, rngs=rngs)",
            "kw = dict(dtype=dtype, param_dtype=jnp.float32, rngs=rngs)",  # bias=False keeps the blocks' biases
            ("tests/test_gpt_options.py::test_the_architecture_options_do_what_they_say",)),
-    Mutant("nanogpt_query_and_key_swapped", "models/nanogpt.py",
+    Mutant("nanogpt_query_and_key_swapped", "models/hub/nanogpt.py",
            'enumerate(("query", "key", "value"))',
            'enumerate(("key", "query", "value"))',  # c_attn's first third is q, not k
            ("tests/test_gpt_options.py::test_gpt_from_nanogpt_puts_each_matrix_where_nanogpt_uses_it",)),
-    Mutant("nanogpt_linear_not_transposed", "models/nanogpt.py",
+    Mutant("nanogpt_linear_not_transposed", "models/hub/nanogpt.py",
            'out = {"kernel": take(prefix + ".weight").T.reshape(kernel_shape)}',
            'out = {"kernel": take(prefix + ".weight").reshape(kernel_shape)}',  # torch's (out, in) read as (in, out)
            ("tests/test_gpt_options.py::test_gpt_from_nanogpt_puts_each_matrix_where_nanogpt_uses_it",)),
-    Mutant("nanogpt_params_are_views", "models/nanogpt.py",
+    Mutant("nanogpt_params_are_views", "models/hub/nanogpt.py",
            "return np.array(value, dtype=np.float32)",
            "return np.asarray(value, dtype=np.float32)",  # the GPT would change as torch trains its tensors in place
            ("tests/test_gpt_options.py::test_gpt_from_nanogpt_puts_each_matrix_where_nanogpt_uses_it",)),
@@ -1232,28 +1232,28 @@ MUTANTS = [
            "logger.handlers, logger.propagate = [collect], False",
            "logger.handlers, logger.propagate = [collect] + logger.handlers, True",
            ("tests/test_sample.py::test_a_truncated_checkpoint_is_said_in_one_line_whatever_is_cut[step_metadata_half]",)),
-    # Hugging Face GPT-2 checkpoints in and out (jdp/models/hf.py, hf_export.py, jdp/run/hf_init.py)
-    Mutant("hf_conv1d_kernel_transposed", "models/hf.py",
+    # Hugging Face GPT-2 checkpoints in and out (jdp/models/hub/gpt2_in.py, gpt2_out.py, jdp/run/hf_init.py)
+    Mutant("hf_conv1d_kernel_transposed", "models/hub/gpt2_in.py",
            'return {"kernel": take(prefix + ".weight").reshape(kernel_shape),',
            'return {"kernel": take(prefix + ".weight").T.reshape(kernel_shape),',  # torch Linear's (out, in) habit
            ("tests/test_hf.py::test_a_transformers_gpt2_loads_with_its_logits[options]",)),
-    Mutant("hf_ln_epsilon_dropped_on_import", "models/hf.py",
+    Mutant("hf_ln_epsilon_dropped_on_import", "models/hub/gpt2_in.py",
            "GELUS[activation], float(epsilon),",
            "GELUS[activation], 1e-6,",  # jdp's GPT default
            ("tests/test_hf.py::test_a_transformers_gpt2_loads_with_its_logits[options]",)),
-    Mutant("hf_exact_gelu_read_as_tanh", "models/hf.py",
+    Mutant("hf_exact_gelu_read_as_tanh", "models/hub/gpt2_in.py",
            'GELUS = {"gelu_new": True, "gelu_pytorch_tanh": True, "gelu": False}',
            'GELUS = {"gelu_new": True, "gelu_pytorch_tanh": True, "gelu": True}',
            ("tests/test_hf.py::test_a_transformers_gpt2_loads_with_its_logits[options]",)),
-    Mutant("hf_tied_head_untied_on_export", "models/hf_export.py",
+    Mutant("hf_tied_head_untied_on_export", "models/hub/gpt2_out.py",
            '"tie_word_embeddings": model.tie_embeddings}',
            '"tie_word_embeddings": False}',
            ("tests/test_hf.py::test_save_hf_writes_what_transformers_loads_with_the_same_logits_and_greedy_text[gpt2]",)),
-    Mutant("hf_ln_epsilon_dropped_on_export", "models/hf_export.py",
+    Mutant("hf_ln_epsilon_dropped_on_export", "models/hub/gpt2_out.py",
            '"layer_norm_epsilon": model.ln_f.epsilon, ',
            "",  # transformers' default, 1e-5
            ("tests/test_hf.py::test_save_hf_writes_what_transformers_loads_with_the_same_logits_and_greedy_text[options]",)),
-    Mutant("hf_export_writes_into_a_full_directory", "models/hf_export.py",
+    Mutant("hf_export_writes_into_a_full_directory", "models/hub/folder.py",
            "if os.path.isdir(out) and os.listdir(out):",
            "if False:",
            ("tests/test_hf.py::test_save_hf_overwrites_nothing",)),
@@ -1265,7 +1265,7 @@ MUTANTS = [
            "if m.init_from is not None:",
            "if False:",
            ("tests/test_hf.py::test_model_init_from_takes_the_sizes_and_refuses_a_contradicting_one",)),
-    Mutant("hf_pickled_weights_not_refused", "models/hf.py",
+    Mutant("hf_pickled_weights_not_refused", "models/hub/folder.py",
            "    if others:\n",
            "    if False:\n",
            ("tests/test_hf.py::test_what_is_not_a_gpt2_checkpoint_is_refused_in_one_sentence",)),

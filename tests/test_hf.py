@@ -20,7 +20,7 @@ from flax import nnx
 from helpers import cli
 from jdp.config import ConfigError, config_from_dict
 from jdp.models import GPT, generate, gpt_from_hf, save_hf
-from jdp.models.safetensors_io import load as load_safetensors
+from jdp.models.hub.safetensors_io import load as load_safetensors
 
 VOCAB, POSITIONS = 300, 32
 KINDS = {"gpt2": dict(activation_function="gelu_new", layer_norm_epsilon=1e-5, tie_word_embeddings=True),
@@ -137,8 +137,8 @@ def test_what_is_not_a_gpt2_checkpoint_is_refused_in_one_sentence(hf, tmp_path):
         write_config(target, **changes)
         return target
 
-    cases = [(tmp_path, "is not a Hugging Face GPT-2 checkpoint: it has no config.json"),
-             (copy("llama", model_type="llama"), "has model_type 'llama', and jdp reads 'gpt2'"),
+    cases = [(tmp_path, "is not a Hugging Face model folder: it has no config.json"),
+             (copy("llama", model_type="llama"), "has model_type 'llama', and gpt_from_hf reads 'gpt2'"),
              (copy("relu", activation_function="relu"), "activation_function 'relu' is not one jdp's GPT computes"),
              (copy("inner", n_inner=48), "n_inner=48; jdp's GPT has an MLP of 4 × n_embd = 128"),
              (copy("layer_idx", scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx=True")]
@@ -159,7 +159,7 @@ def test_save_hf_overwrites_nothing(hf, tmp_path):
     assert os.listdir(tmp_path / "full") == ["keep.txt"] and sorted(os.listdir(tmp_path)) == ["full"]
     (tmp_path / "empty").mkdir()
     assert sorted(os.listdir(save_hf(ours, tmp_path / "empty"))) == ["config.json", "model.safetensors"]
-    with pytest.raises(ValueError, match="save_hf writes jdp's GPT"):
+    with pytest.raises(ValueError, match="save_hf writes jdp's GPT and Llama models"):
         save_hf(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), tmp_path / "other")
 
 

@@ -36,10 +36,11 @@ from flax import nnx
 from jdp.models.cnn import CNN
 from jdp.models.decode import compiled_generate, generate, greedy_reference
 from jdp.models.gpt import GPT
-from jdp.models.hf import gpt_from_hf
-from jdp.models.hf_export import save_hf
+from jdp.models.hub import from_hf, gpt_from_hf, gpt_from_nanogpt, save_hf
+from jdp.models.llama import Llama
+from jdp.models.llama_arch import LlamaArchitecture
 from jdp.models.mlp import MLP
-from jdp.models.nanogpt import gpt_from_nanogpt
+from jdp.models.rope import RopeScaling
 from jdp.models.nnx_bridge import FunctionalModel, apply_with_state, functional
 from jdp.models.xent import fused_cross_entropy, plain_cross_entropy
 
@@ -49,6 +50,6 @@ def param_count(model: nnx.Module) -> int:
     return sum(int(x.size) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
-__all__ = ["CNN", "GPT", "MLP", "FunctionalModel", "apply_with_state", "compiled_generate", "functional",
-           "fused_cross_entropy", "generate", "gpt_from_hf", "gpt_from_nanogpt", "greedy_reference", "param_count",
-           "plain_cross_entropy", "save_hf"]
+__all__ = ["CNN", "GPT", "Llama", "LlamaArchitecture", "MLP", "FunctionalModel", "RopeScaling", "apply_with_state",
+           "compiled_generate", "from_hf", "functional", "fused_cross_entropy", "generate", "gpt_from_hf",
+           "gpt_from_nanogpt", "greedy_reference", "param_count", "plain_cross_entropy", "save_hf"]

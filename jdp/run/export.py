@@ -45,7 +45,8 @@ def export_run(workdir: str, out: str, log=print) -> Exported:
     ValueError (one sentence) for a workdir without a checkpoint or whose run is not a GPT on text,
     or an `out` that exists and is not an empty directory (checked first: nothing is read or written
     then). A damaged newest checkpoint is said with `log` and skipped, as `jdp sample` does."""
-    from jdp.models.hf_export import check_output, save_hf
+    from jdp.models.hub import save_hf
+    from jdp.models.hub.folder import check_output
     from jdp.run.sampling import load_run
 
     check_output(os.path.abspath(out))

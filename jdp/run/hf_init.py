@@ -1,6 +1,6 @@
 """`model.init_from: DIR`: a `jdp train` GPT that starts from a Hugging Face GPT-2 checkpoint.
 
-The architecture comes from DIR/config.json (`jdp.models.hf.read_architecture`), so a config needs
+The architecture comes from DIR/config.json (`jdp.models.hub.gpt2_in.read_architecture`), so a config needs
 no model sizes: model.d_model, n_heads and n_layers are filled in from it, and a value the config
 sets that contradicts config.json is refused, naming both. model.context is the training window:
 at most n_positions, n_positions where it is left out (the model keeps all its position
@@ -20,7 +20,7 @@ SIZES = (("d_model", "n_embd"), ("n_heads", "n_head"), ("n_layers", "n_layer"))
 
 
 def _architecture(path: str):
-    from jdp.models.hf import read_architecture  # jax and flax: imported only for a config that starts from one
+    from jdp.models.hub.gpt2_in import read_architecture  # jax and flax: imported only for a config that starts from one
 
     try:
         return read_architecture(path)

@@ -189,7 +189,7 @@ def gpt_for(config, vocab_size: int, rngs: nnx.Rngs | None = None) -> GPT:
     # attention for this backend, and remat on, the choice that needs the least memory
     attention = choose_attention(m.attention, jax.default_backend(), config.train.precision)[0]
     if m.init_from is not None:
-        from jdp.models.hf import gpt_from_hf
+        from jdp.models.hub import gpt_from_hf
 
         return gpt_from_hf(m.init_from, dtype=compute_dtype(config), attention=attention, dropout=m.dropout,
                            remat=m.remat == AUTO or m.remat, scan_layers=m.scan_layers)

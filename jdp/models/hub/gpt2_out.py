@@ -1,31 +1,28 @@
 """jdp's GPT out as a Hugging Face GPT-2 directory: `transformers`' `GPT2LMHeadModel.from_pretrained(OUT)`
 computes the same logits.
 
-The inverse of `jdp.models.hf`: config.json (a GPT2Config: sizes, `activation_function` "gelu_new"
+The inverse of `jdp.models.hub.gpt2_in`: config.json (a GPT2Config: sizes, `activation_function` "gelu_new"
 for the tanh GELU or "gelu" for the exact one, `layer_norm_epsilon`, `tie_word_embeddings`) and
 model.safetensors (float32, transformers' names; a tied head is written once, as the embedding).
 Every GPT jdp builds is a GPT-2: a model without biases (`bias=False`) is written with zero biases,
 which compute the same function (transformers then trains them from zero). The dropout rates are the
 model's (`resid_pdrop`, `embd_pdrop`; `attn_pdrop` 0: jdp drops no attention weights).
 
-Nothing is overwritten: OUT must not exist or be an empty directory; the files are written into a
-new hidden sibling directory, flushed, and renamed to OUT in one step.
+Nothing is overwritten (`jdp.models.hub.folder.write_folder`): OUT must not exist or be an empty
+directory, and not a link.
 """
 from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 
 import jax
 import numpy as np
 from flax import nnx
 
 from jdp.models.gpt import GPT
-from jdp.models.hf import CONFIG, WEIGHTS
-from jdp.models.safetensors_io import save as save_safetensors
-from jdp.text import quoted
+from jdp.models.hub.folder import CONFIG, WEIGHTS, check_tokenizer_file, copy_tokenizer, write_folder, write_json
+from jdp.models.hub.safetensors_io import save as save_safetensors
 
 
 def _architecture(model: GPT) -> dict:
@@ -99,46 +96,22 @@ def gpt2_config(model: GPT, tokenizer_file: str | None = None) -> dict:
             "bos_token_id": eot, "eos_token_id": eot, "dtype": "float32"}
 
 
-def check_output(out: str) -> None:
-    """ValueError unless `out` is free to write: absent, or an empty directory."""
-    if os.path.isdir(out) and os.listdir(out):
-        raise ValueError(f"{quoted(out)} is a directory that is not empty; jdp overwrites nothing: name a new or "
-                         f"empty one.")
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise ValueError(f"{quoted(out)} is a file; jdp overwrites nothing: name a new or empty directory.")
-
-
-def save_hf(model: GPT, out: str | os.PathLike, *, tokenizer_file: str | None = None) -> str:
+def save_gpt2(model: GPT, out: str | os.PathLike, *, tokenizer_file: str | None = None) -> str:
     """Write `model` (a `jdp.models.GPT`) as a Hugging Face GPT-2 directory `out`; returns its path.
 
     `out` holds config.json, model.safetensors and, given `tokenizer_file` (a tokenizer.json),
     a copy of it as tokenizer.json. `GPT2LMHeadModel.from_pretrained(out)` gives logits equal to
-    the model's (float32) on the same tokens. ValueError (one sentence) for a model that is not
-    jdp's GPT or an `out` that exists and is not an empty directory; nothing is written then.
+    the model's (float32) on the same tokens. ValueError (one sentence) for an `out` that exists and is
+    not an empty directory, or is a link; nothing is written then.
     """
-    if not isinstance(model, GPT):
-        raise ValueError(f"save_hf writes jdp's GPT (jdp.models.GPT) as GPT-2, got a {type(model).__name__}.")
-    out = os.path.abspath(os.fspath(out))
-    check_output(out)
-    if tokenizer_file is not None and not os.path.isfile(tokenizer_file):
-        raise ValueError(f"tokenizer_file={quoted(tokenizer_file)} is not a file; give a tokenizer.json or None.")
-    parent = os.path.dirname(out)
-    os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", dir=parent)
-    try:
+    check_tokenizer_file(tokenizer_file)
+
+    def write(staging: str) -> None:
         save_safetensors(gpt2_state_dict(model), os.path.join(staging, WEIGHTS), {"format": "pt"})
-        with open(os.path.join(staging, CONFIG), "x", encoding="utf-8") as f:
-            json.dump(gpt2_config(model, tokenizer_file), f, indent=2)
-            f.write("\n")
-        if tokenizer_file is not None:
-            shutil.copyfile(tokenizer_file, os.path.join(staging, "tokenizer.json"))
-        os.chmod(staging, 0o755)  # mkdtemp's 0o700 would hide the export from other users
-        check_output(out)  # again: something may have appeared while we wrote
-        os.rename(staging, out)  # replaces only an empty directory, atomically
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return out
+        write_json(os.path.join(staging, CONFIG), gpt2_config(model, tokenizer_file))
+        copy_tokenizer(tokenizer_file, staging)
+
+    return write_folder(out, write)
 
 
-__all__ = ["check_output", "gpt2_config", "gpt2_state_dict", "save_hf"]
+__all__ = ["gpt2_config", "gpt2_state_dict", "save_gpt2"]

@@ -12,31 +12,25 @@ transpose (torch's Linear, nanoGPT's, stores (out, in)); `attn.c_attn` holds q |
 (d_model, 3·d_model) kernel, head-major within each, which nnx keeps as three (d_model, heads,
 head_dim) kernels; `lm_head.weight` (an untied head only) is a torch Linear's (vocab, d_model).
 
-The weights are read with numpy (`jdp.models.safetensors_io`): no torch. A directory holding only
-`pytorch_model.bin` is refused: reading it means unpickling, which runs code from the file; convert
-it once with transformers (`GPT2LMHeadModel.from_pretrained(DIR).save_pretrained(DIR2)` writes
-safetensors).
+The weights are read with numpy, one tensor at a time (`jdp.models.hub.folder`): no torch, no second
+copy of the checkpoint. A directory holding only `pytorch_model.bin` is refused: reading it means
+unpickling, which runs code from the file; convert it once with transformers
+(`GPT2LMHeadModel.from_pretrained(DIR).save_pretrained(DIR2)` writes safetensors).
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from jdp.models.gpt import GPT
-from jdp.models.weights import shape_mismatches
-from jdp.models.safetensors_io import load as load_safetensors
+from jdp.models.hub.folder import checkpoint_tensors, read_config
+from jdp.models.hub.weights import build_model, install_params
 from jdp.text import quoted
 
-CONFIG, WEIGHTS, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
 # GPT-2's activation names → jdp's gelu_approximate (the tanh GELU, or the exact erf one).
 GELUS = {"gelu_new": True, "gelu_pytorch_tanh": True, "gelu": False}
-OTHER_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "tf_model.h5", "flax_model.msgpack")
 # GPT-2 options jdp's GPT does not have, with the value it would need.
 UNSUPPORTED = {"scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "add_cross_attention": False}
 
@@ -65,23 +59,13 @@ def _not_gpt2(path: str, why: str) -> ValueError:
     return ValueError(f"{quoted(path)} is not a Hugging Face GPT-2 checkpoint: {why}.")
 
 
-def read_architecture(path: str) -> GPT2Architecture:
-    """The architecture in `path`/config.json; ValueError (one sentence) for a directory that is not a
-    GPT-2 checkpoint, or a GPT-2 option jdp's GPT cannot compute (naming it)."""
-    if not os.path.isdir(path):
-        raise ValueError(f"{quoted(path)} is not a directory; give the folder a Hugging Face model was saved to "
-                         f"(save_pretrained), which holds config.json and model.safetensors.")
-    file = os.path.join(path, CONFIG)
-    if not os.path.isfile(file):
-        raise _not_gpt2(path, "it has no config.json")
-    try:
-        with open(file, encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise _not_gpt2(path, f"its config.json cannot be read as JSON ({e})") from None
-    if not isinstance(config, dict) or config.get("model_type") != "gpt2":
-        got = config.get("model_type") if isinstance(config, dict) else None
-        raise _not_gpt2(path, f"its config.json has model_type {got!r}, and jdp reads 'gpt2'")
+def read_architecture(path: str, config: dict | None = None) -> GPT2Architecture:
+    """The architecture in `path`/config.json (or `config`, that file as read); ValueError (one sentence) for
+    a directory that is not a GPT-2 checkpoint, or a GPT-2 option jdp's GPT cannot compute (naming it)."""
+    config = read_config(path) if config is None else config
+    if config.get("model_type") != "gpt2":
+        raise _not_gpt2(path, f"its config.json has model_type {config.get('model_type')!r}, and gpt_from_hf reads "
+                              f"'gpt2' (jdp.models.from_hf reads the Llama family too)")
     sizes = {key: config.get(key) for key in ("vocab_size", "n_positions", "n_embd", "n_head", "n_layer")}
     bad = [f"{k}={v!r}" for k, v in sizes.items() if isinstance(v, bool) or not isinstance(v, int) or v < 1]
     if bad:
@@ -105,34 +89,17 @@ def read_architecture(path: str) -> GPT2Architecture:
                             GELUS[activation], float(epsilon), bool(config.get("tie_word_embeddings", True)))
 
 
-def _weight_files(path: str) -> list[str]:
-    """The safetensors files of `path`: model.safetensors, or the shards its index names."""
-    single, index = os.path.join(path, WEIGHTS), os.path.join(path, INDEX)
-    if os.path.isfile(single):
-        return [single]
-    if os.path.isfile(index):
-        with open(index, encoding="utf-8") as f:
-            shards = sorted(set(json.load(f).get("weight_map", {}).values()))
-        return [os.path.join(path, name) for name in shards]
-    others = [name for name in OTHER_WEIGHTS if os.path.exists(os.path.join(path, name))]
-    if others:
-        raise ValueError(f"{quoted(path)} holds its weights as {others[0]}, and jdp reads safetensors only (the other "
-                         f"formats unpickle code); convert it with transformers: GPT2LMHeadModel.from_pretrained(DIR)"
-                         f".save_pretrained(NEW_DIR) writes model.safetensors.")
-    raise _not_gpt2(path, f"it has config.json but no {WEIGHTS} (nor {INDEX})")
-
-
 def read_weights(path: str) -> dict[str, np.ndarray]:
     """GPT-2's tensors in `path`, float32, named as GPT2LMHeadModel names them (`transformer.` prefixed:
-    a GPT2Model's bare names get it); its attention-mask buffers (`attn.bias`, `attn.masked_bias`) left out."""
+    a GPT2Model's bare names get it); its attention-mask buffers (`attn.bias`, `attn.masked_bias`) left out.
+    Each tensor is read and converted on its own."""
     out = {}
-    for file in _weight_files(path):
-        for name, value in load_safetensors(file).items():
-            if name.endswith((".attn.bias", ".attn.masked_bias")):
-                continue  # older checkpoints saved the causal mask; jdp makes its own
-            if name != "lm_head.weight" and not name.startswith("transformer."):
-                name = "transformer." + name
-            out[name] = np.asarray(value, np.float32)
+    for name, value in checkpoint_tensors(path, "GPT2LMHeadModel"):
+        if name.endswith((".attn.bias", ".attn.masked_bias")):
+            continue  # older checkpoints saved the causal mask; jdp makes its own
+        if name != "lm_head.weight" and not name.startswith("transformer."):
+            name = "transformer." + name
+        out[name] = np.array(value, np.float32)
     return out
 
 
@@ -178,20 +145,6 @@ def gpt2_params(sd: dict[str, np.ndarray], arch: GPT2Architecture, where: str) -
     return params
 
 
-def install_params(model: GPT, params: dict, where: str) -> GPT:
-    """`model` with the unscanned `params` (stacked along a leading layer axis if the model scans its layers);
-    ValueError naming every array whose shape differs from the model's."""
-    if model.scan_layers:
-        blocks = params.pop("blocks")
-        params["layers"] = jax.tree.map(lambda *layers: np.stack(layers), *(blocks[i] for i in range(len(blocks))))
-    wrong = shape_mismatches(model, params)
-    if wrong:
-        raise ValueError(f"{where}: the weights' shapes do not match config.json's sizes (weights for GPT): "
-                         f"{wrong[:5]}.")
-    nnx.update(model, jax.tree.map(jnp.asarray, params))
-    return model
-
-
 def gpt_from_hf(path: str | os.PathLike, *, dtype=None, attention: str = "flax", dropout: float = 0.0,
                 remat: bool = False, scan_layers: bool = False) -> GPT:
     """jdp's `GPT` holding the Hugging Face GPT-2 checkpoint in directory `path`, computing the same function.
@@ -209,10 +162,9 @@ def gpt_from_hf(path: str | os.PathLike, *, dtype=None, attention: str = "flax",
     path = os.fspath(path)
     arch = read_architecture(path)
     params = gpt2_params(read_weights(path), arch, quoted(path))
-    model = GPT(**arch.gpt_options(), dropout=dropout, dtype=dtype, attention=attention, remat=remat,
-                scan_layers=scan_layers, rngs=nnx.Rngs(0))
+    model = build_model(lambda rngs: GPT(**arch.gpt_options(), dropout=dropout, dtype=dtype, attention=attention,
+                                         remat=remat, scan_layers=scan_layers, rngs=rngs))
     return install_params(model, params, quoted(path))
 
 
-
-__all__ = ["GPT2Architecture", "gpt2_params", "gpt_from_hf", "install_params", "read_architecture", "read_weights"]
+__all__ = ["GPT2Architecture", "gpt2_params", "gpt_from_hf", "read_architecture", "read_weights"]

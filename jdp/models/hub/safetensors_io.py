@@ -41,25 +41,30 @@ def read_header(path: str) -> tuple[dict, int]:
     return header, 8 + size
 
 
-def load(path: str) -> dict[str, np.ndarray]:
-    """Every tensor of the safetensors file `path`, name → numpy array of its own dtype and shape.
-
-    ValueError (one sentence) for a dtype outside `DTYPES` or offsets outside the file."""
+def tensors(path: str):
+    """(name, array) for every tensor of the safetensors file `path`, in the header's order: each array a
+    read-only view of the mapped file in its own dtype and shape (nothing is copied; the view keeps the map
+    open). ValueError (one sentence) for a dtype outside `DTYPES` or offsets outside the file."""
     header, start = read_header(path)
     data = np.memmap(path, np.uint8, mode="r")
-    out = {}
     for name, info in header.items():
-        if info.get("dtype") not in DTYPES:
-            raise ValueError(f"{quoted(path)}: tensor {name!r} has dtype {info.get('dtype')!r}; jdp reads "
-                             f"{', '.join(DTYPES)}.")
-        dtype, shape = np.dtype(DTYPES[info["dtype"]]), tuple(info["shape"])
+        if not isinstance(info, dict) or info.get("dtype") not in DTYPES:
+            got = info.get("dtype") if isinstance(info, dict) else info
+            raise ValueError(f"{quoted(path)}: tensor {name!r} has dtype {got!r}; jdp reads {', '.join(DTYPES)}.")
+        dtype, shape = np.dtype(DTYPES[info["dtype"]]).newbyteorder("<"), tuple(info["shape"])
         begin, end = (start + int(o) for o in info["data_offsets"])
         if end > len(data) or end - begin != dtype.itemsize * int(np.prod(shape, dtype=np.int64)):
             raise ValueError(f"{quoted(path)}: tensor {name!r} ({info['dtype']} {list(shape)}) does not fit its "
                              f"offsets {info['data_offsets']} in a file of {len(data)} bytes; the file is damaged.")
-        out[name] = np.frombuffer(data[begin:end].tobytes(), dtype.newbyteorder("<")).reshape(shape).astype(dtype)
-    del data
-    return out
+        count = (end - begin) // dtype.itemsize
+        yield name, (np.frombuffer(data, dtype, count=count, offset=begin) if count else np.zeros(0, dtype)).reshape(shape)
+
+
+def load(path: str) -> dict[str, np.ndarray]:
+    """Every tensor of the safetensors file `path`, name → a numpy copy of its own dtype and shape.
+
+    ValueError (one sentence) for a dtype outside `DTYPES` or offsets outside the file."""
+    return {name: np.array(view, dtype=view.dtype.newbyteorder("=")) for name, view in tensors(path)}
 
 
 def save(tensors: dict[str, np.ndarray], path: str, metadata: dict[str, str] | None = None) -> None:

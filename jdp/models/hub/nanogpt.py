@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 
 from jdp.models.gpt import GPT
-from jdp.models.weights import shape_mismatches
+from jdp.models.hub.weights import shape_mismatches
 
 
 def _array(value) -> np.ndarray:
@@ -33,6 +33,41 @@ def _n_layers(names) -> int:
     if layers != set(range(len(layers))):
         raise ValueError(f"the state dict's layers are {sorted(layers)}; expected 0 .. n-1.")
     return len(layers)
+
+
+def _nanogpt_params(sd: dict, used: set, n_layers: int, n_heads: int, d_model: int, bias: bool) -> dict:
+    """nanoGPT's state dict `sd` → the params of an unscanned tied `GPT` (nested dicts; the untied head is
+    the caller's), adding each name it takes to `used`. torch Linear (out, in) → nnx (in, out); c_attn's
+    q | k | v columns, head-major, → three (d_model, heads, head_dim) kernels."""
+    hd = d_model // n_heads
+
+    def take(name):
+        used.add(name)
+        return sd[name]
+
+    def linear(prefix, kernel_shape, bias_shape):
+        out = {"kernel": take(prefix + ".weight").T.reshape(kernel_shape)}
+        if bias:
+            out["bias"] = take(prefix + ".bias").reshape(bias_shape)
+        return out
+
+    def norm(prefix):
+        return {"scale": take(prefix + ".weight"), **({"bias": take(prefix + ".bias")} if bias else {})}
+
+    params = {"tok_embed": {"embedding": take("transformer.wte.weight")},
+              "pos_embed": {"embedding": take("transformer.wpe.weight")},
+              "ln_f": norm("transformer.ln_f"), "blocks": {}}
+    for i in range(n_layers):
+        p = f"transformer.h.{i}."
+        qkv = take(p + "attn.c_attn.weight").T.reshape(d_model, 3, n_heads, hd)  # columns: q | k | v, head-major
+        qkv_bias = take(p + "attn.c_attn.bias").reshape(3, n_heads, hd) if bias else None
+        attn = {name: {"kernel": qkv[:, j], **({"bias": qkv_bias[j]} if bias else {})}
+                for j, name in enumerate(("query", "key", "value"))}
+        attn["out"] = linear(p + "attn.c_proj", (n_heads, hd, d_model), (d_model,))
+        params["blocks"][i] = {"ln1": norm(p + "ln_1"), "attn": attn, "ln2": norm(p + "ln_2"),
+                               "fc": linear(p + "mlp.c_fc", (d_model, 4 * d_model), (4 * d_model,)),
+                               "proj": linear(p + "mlp.c_proj", (4 * d_model, d_model), (d_model,))}
+    return params
 
 
 def gpt_from_nanogpt(state_dict: Mapping, n_heads: int, *, dtype=None, attention: str = "flax") -> GPT:
@@ -67,38 +102,10 @@ def gpt_from_nanogpt(state_dict: Mapping, n_heads: int, *, dtype=None, attention
     tied = np.array_equal(head, sd["transformer.wte.weight"])
     model = GPT(vocab, context, d_model, n_heads, n_layers, dropout=0.0, dtype=dtype, attention=attention,
                 bias=bias, tie_embeddings=tied, gelu_approximate=False, ln_epsilon=1e-5, rngs=nnx.Rngs(0))
-    hd, used = d_model // n_heads, set()
-
-    def take(name):
-        used.add(name)
-        return sd[name]
-
-    def linear(prefix, kernel_shape, bias_shape):
-        out = {"kernel": take(prefix + ".weight").T.reshape(kernel_shape)}
-        if bias:
-            out["bias"] = take(prefix + ".bias").reshape(bias_shape)
-        return out
-
-    def norm(prefix):
-        return {"scale": take(prefix + ".weight"), **({"bias": take(prefix + ".bias")} if bias else {})}
-
-    params = {"tok_embed": {"embedding": take("transformer.wte.weight")},
-              "pos_embed": {"embedding": take("transformer.wpe.weight")},
-              "ln_f": norm("transformer.ln_f"), "blocks": {}}
-    if "lm_head.weight" in sd:
-        used.add("lm_head.weight")
+    used = {"lm_head.weight"} & set(sd)
+    params = _nanogpt_params(sd, used, n_layers, n_heads, d_model, bias)
     if not tied:
         params["head"] = {"kernel": head.T}
-    for i in range(n_layers):
-        p = f"transformer.h.{i}."
-        qkv = take(p + "attn.c_attn.weight").T.reshape(d_model, 3, n_heads, hd)  # columns: q | k | v, head-major
-        qkv_bias = take(p + "attn.c_attn.bias").reshape(3, n_heads, hd) if bias else None
-        attn = {name: {"kernel": qkv[:, j], **({"bias": qkv_bias[j]} if bias else {})}
-                for j, name in enumerate(("query", "key", "value"))}
-        attn["out"] = linear(p + "attn.c_proj", (n_heads, hd, d_model), (d_model,))
-        params["blocks"][i] = {"ln1": norm(p + "ln_1"), "attn": attn, "ln2": norm(p + "ln_2"),
-                               "fc": linear(p + "mlp.c_fc", (d_model, 4 * d_model), (4 * d_model,)),
-                               "proj": linear(p + "mlp.c_proj", (4 * d_model, d_model), (d_model,))}
     if set(sd) - used:
         raise ValueError(f"the state dict has entries a nanoGPT GPT does not: {sorted(set(sd) - used)}.")
     wrong = shape_mismatches(model, params)
