@@ -278,6 +278,8 @@ QUICK = (
     "test_hf.py::test_save_hf_overwrites_nothing",
     "test_hf.py::test_jdp_export_refuses_a_full_output_and_a_workdir_without_a_checkpoint",
     "test_hf.py::test_model_init_from_takes_the_sizes_and_refuses_a_contradicting_one",
+    # The Llama family in and out: four transformers configurations, sharded and bfloat16, refusals (~12 s).
+    "test_llama.py",
 )
 
 
