@@ -116,6 +116,8 @@ def test_what_jdps_llama_cannot_compute_is_refused_naming_the_key(hf, tmp_path):
              (copy_with(hf, tmp_path, "gelu", hidden_act="gelu"), "hidden_act='gelu'"),
              (copy_with(hf, tmp_path, "window", "mistral", sliding_window=16),
               f"sliding_window=16, fewer than the {POSITIONS} positions"),
+             (copy_with(hf, tmp_path, "window_short_by_one", "mistral", sliding_window=POSITIONS - 1),
+              f"sliding_window={POSITIONS - 1}, fewer than the {POSITIONS} positions"),
              (copy_with(hf, tmp_path, "heads", num_key_value_heads=3), "n_heads=4 must be a multiple of n_kv_heads=3")]
     pickled = copy_with(hf, tmp_path, "bin")
     os.rename(pickled / "model.safetensors", pickled / "pytorch_model.bin")
@@ -124,6 +126,18 @@ def test_what_jdps_llama_cannot_compute_is_refused_naming_the_key(hf, tmp_path):
         with pytest.raises(ValueError, match=message):
             from_hf(path)
     assert from_hf(copy_with(hf, tmp_path, "window_ok", "mistral", sliding_window=16), context=16).context == 16
+    # A window of exactly the context covers every earlier position (transformers: i - j < window).
+    assert from_hf(copy_with(hf, tmp_path, "window_whole", "mistral", sliding_window=POSITIONS)).context == POSITIONS
+
+
+def test_an_older_config_json_with_top_level_rope_theta_and_rope_scaling_loads_the_same(hf, tmp_path):
+    """transformers before 5 wrote rope_theta and rope_scaling at the top level (no rope_parameters)."""
+    path, model = hf["llama_untied_llama3"]
+    with open(os.path.join(path, "config.json")) as f:
+        rope = json.load(f).get("rope_parameters") or {}
+    scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    older = copy_with(hf, tmp_path, "older", rope_parameters=None, rope_theta=500000.0, rope_scaling=scaling)
+    np.testing.assert_allclose(np.asarray(from_hf(older)(IDS, train=False)), hf_logits(model, IDS), **TOL)
 
 
 def test_a_missing_unknown_or_untied_head_tensor_is_named(hf):
