@@ -280,6 +280,9 @@ QUICK = (
     "test_hf.py::test_model_init_from_takes_the_sizes_and_refuses_a_contradicting_one",
     # The Llama family in and out: four transformers configurations, sharded and bfloat16, refusals (~12 s).
     "test_llama.py",
+    "test_llama_decode.py::test_greedy_tokens_equal_transformers_generate_and_the_whole_forward_pass[llama_untied_llama3]",
+    "test_llama_decode.py::test_greedy_tokens_equal_transformers_generate_and_the_whole_forward_pass[mistral]",
+    "test_llama_decode.py::test_the_cache_holds_the_kv_heads_only_and_the_scanned_model_decodes_the_same",
 )
 
 

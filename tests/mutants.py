@@ -1310,6 +1310,21 @@ MUTANTS = [
            'return {"rope_theta": a.rope_theta, "rope_scaling": scaling, "rope_parameters": parameters}',
            'return {"rope_theta": a.rope_theta, "rope_scaling": None, "rope_parameters": {"rope_theta": a.rope_theta, "rope_type": "default"}}',
            ("tests/test_llama.py::test_save_hf_gives_back_every_tensor_bit_for_bit_and_transformers_loads_it",)),
+    # The Llama family's KV cache (jdp/models/decode_llama.py).
+    Mutant("llama_cache_sized_for_the_query_heads", "models/decode_llama.py",
+           "return model.arch.n_kv_heads, model.arch.head_dim, jnp.dtype(model.dtype)",
+           "return model.arch.n_heads, model.arch.head_dim, jnp.dtype(model.dtype)",
+           ("tests/test_llama_decode.py::test_the_cache_holds_the_kv_heads_only_and_the_scanned_model_decodes_the_same",)),
+    # (Positions shifted by a constant, per row or for all, are not a bug: rotary attention depends on
+    # position differences only. Each token rotated at the cache slot's own position instead is one.)
+    Mutant("llama_cached_rotary_at_the_prompt_start_only", "models/decode_llama.py",
+           "cos, sin = model.rotary(positions)  # (b, L, head_dim)",
+           "cos, sin = model.rotary(jnp.broadcast_to(positions[:, :1], positions.shape))  # (b, L, head_dim)",
+           ("tests/test_llama_decode.py::test_greedy_tokens_equal_transformers_generate_and_the_whole_forward_pass",)),
+    Mutant("llama_cached_step_skips_the_mlp", "models/decode_llama.py",
+           "return x + block.mlp(x), type(cache)(keys, values)",
+           "return x, type(cache)(keys, values)",
+           ("tests/test_llama_decode.py::test_greedy_tokens_equal_transformers_generate_and_the_whole_forward_pass",)),
 ]
 
 def occurrences(mutant: Mutant, jdp_dir: str) -> int:

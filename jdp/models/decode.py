@@ -1,4 +1,4 @@
-"""Text generation with jdp's GPT: a key/value cache and one compiled decode loop.
+"""Text generation with jdp's GPT and Llama family: a key/value cache and one compiled decode loop.
 
 `generate(model, prompts, max_new_tokens, ...)` continues a batch of prompts of different lengths.
 The prompts are left-padded to the longest; each row's tokens take positions 0, 1, ... from its
@@ -38,15 +38,30 @@ class KVCache(NamedTuple):
 
 
 def _layers(model):
-    """The model's blocks as one module per layer (unscanned) or the stacked module (scanned)."""
+    """The GPT's blocks as one module per layer (unscanned) or the stacked module (scanned)."""
     return model.layers if model.scan_layers else model.blocks[0]
 
 
-def init_cache(model, batch: int, slots: int) -> KVCache:
-    """An empty (zero) cache for `batch` rows of `slots` positions, in the attention's compute dtype."""
+def _gpt_cache_dims(model) -> tuple[int, int, jnp.dtype]:
     attn = _layers(model).attn
-    shape = (model.n_layers, batch, slots, attn.num_heads, attn.head_dim)
-    dtype = jnp.dtype(attn.dtype or jnp.float32)
+    return attn.num_heads, attn.head_dim, jnp.dtype(attn.dtype or jnp.float32)
+
+
+def _cached(model) -> tuple[Callable, Callable]:
+    """The model's (cache_dims, forward_cached): one entry per architecture that `generate` decodes."""
+    from jdp.models.decode_llama import llama_cache_dims, llama_forward_cached  # the Llama imports nothing of this
+    from jdp.models.llama import Llama
+
+    if isinstance(model, Llama):
+        return llama_cache_dims, llama_forward_cached
+    return _gpt_cache_dims, _gpt_forward_cached
+
+
+def init_cache(model, batch: int, slots: int) -> KVCache:
+    """An empty (zero) cache for `batch` rows of `slots` positions, in the attention's compute dtype:
+    (n_layers, batch, slots, heads, head_dim) for a GPT, kv_heads for a Llama (`jdp.models.decode_llama`)."""
+    heads, head_dim, dtype = _cached(model)[0](model)
+    shape = (model.n_layers, batch, slots, heads, head_dim)
     return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
 
@@ -74,7 +89,8 @@ def _block_cached(block, x, cache: KVCache, layer, start, visible):
 
 
 def forward_cached(model, tokens: jax.Array, cache: KVCache, start, first: jax.Array) -> tuple:
-    """The GPT (eval mode) on `tokens` (b, L) int32 placed at slots start..start+L-1 of `cache`.
+    """The model (a GPT or a Llama, eval mode) on `tokens` (b, L) int32 placed at slots start..start+L-1 of
+    `cache`.
 
     `first` (b,) int32: the slot of each row's first real token (its left padding ends there). A
     token at slot s of row r takes position s - first[r] and attends to the slots first[r]..s.
@@ -82,10 +98,16 @@ def forward_cached(model, tokens: jax.Array, cache: KVCache, start, first: jax.A
     layer writes its (b, L, heads, head_dim) keys and values, nothing else of the cache is copied).
     """
     slots = start + jnp.arange(tokens.shape[1])
-    positions = jnp.maximum(slots[None, :] - first[:, None], 0)
     keys = jnp.arange(cache.k.shape[2])
     visible = (keys <= slots[:, None])[None] & (keys[None, None] >= first[:, None, None])
     visible |= (keys == slots[:, None])[None]  # a padding slot sees itself: its softmax has a term
+    return _cached(model)[1](model, tokens, cache, start, first, visible)
+
+
+def _gpt_forward_cached(model, tokens: jax.Array, cache: KVCache, start, first: jax.Array, visible) -> tuple:
+    """`forward_cached` for a GPT: learned positions s - first[r], the GPT's own blocks."""
+    slots = start + jnp.arange(tokens.shape[1])
+    positions = jnp.maximum(slots[None, :] - first[:, None], 0)
     x = model.tok_embed(tokens) + model.pos_embed(positions)
     if model.scan_layers:
         graphdef, stack = nnx.split(model.layers)
@@ -216,7 +238,7 @@ def _prepared(model, prompts, max_new_tokens, temperature, top_k, top_p, key) ->
 
 def generate(model, prompts, max_new_tokens: int, *, temperature: float = 1.0, top_k: int | None = None,
              top_p: float | None = None, key: jax.Array | None = None) -> np.ndarray:
-    """Continue each prompt by `max_new_tokens` tokens with `model` (a `jdp.models.GPT`, eval mode).
+    """Continue each prompt by `max_new_tokens` tokens with `model` (a `jdp.models.GPT` or `Llama`, eval mode).
 
     `prompts`: a list of token-id lists of any lengths (one per row), or a (batch, P) int array.
     `temperature=0` is greedy (the argmax at each step: the tokens `greedy_reference` gives);
